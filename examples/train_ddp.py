@@ -1,0 +1,125 @@
+"""A small real DDP training on CPU (gloo) that checkpoints and resumes.
+
+Run it under ft_launcher (or torchrun, or plain python for one process):
+
+    ft_launcher --nproc-per-node 2 --max-restarts 3 examples/train_ddp.py --steps 300
+
+Every rank sends a heartbeat per step through ft_agent (a no-op outside ft_launcher).
+Rank 0 writes a checkpoint every --ckpt-every steps; after a restart every rank resumes
+from it, so a crash loses at most --ckpt-every steps. The data of step N is generated from
+a seed and N, so a resumed run computes exactly what an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ft_agent import RankMonitorClient
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=300, help="total training steps")
+    p.add_argument("--ckpt-every", type=int, default=20, help="checkpoint interval (steps)")
+    p.add_argument("--ckpt-dir", default=None, help="checkpoint directory [FT_RUN_DIR/ckpt]")
+    p.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step")
+    p.add_argument("--hang-at-step", type=int, default=None,
+                   help="rank --hang-rank sleeps forever at this step (first cycle only)")
+    p.add_argument("--hang-rank", type=int, default=1)
+    p.add_argument("--fail-at-step", type=int, default=None,
+                   help="rank --hang-rank exits 3 at this step (first cycle only)")
+    p.add_argument("--sections", action="store_true", help="time each step as a section")
+    p.add_argument("--seed", type=int, default=1234)
+    return p.parse_args()
+
+
+def batch(step: int, seed: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed * 100_003 + step * 101 + rank)
+    x = torch.randn(32, 16, generator=g)
+    y = x.sum(dim=1, keepdim=True) * 0.5
+    return x, y
+
+
+def hang_forever() -> None:
+    """A named function so a stack dump shows where the rank hung."""
+    while True:
+        time.sleep(3600)
+
+
+def main() -> None:
+    args = parse_args()
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cycle = int(os.environ.get("FT_CYCLE", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+    ckpt_dir = Path(args.ckpt_dir or Path(os.environ.get("FT_RUN_DIR", ".")) / "ckpt")
+    ckpt_path = ckpt_dir / "ckpt.pt"
+
+    ft = RankMonitorClient()
+    ft.init_workload_monitoring()
+    if world > 1:
+        dist.init_process_group("gloo")
+    torch.manual_seed(args.seed)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    start = 0
+    if ckpt_path.exists():
+        state = torch.load(ckpt_path, weights_only=True)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        start = state["step"]
+        print(f"rank {rank} cycle {cycle}: resumed from step {start}", flush=True)
+    ddp = DistributedDataParallel(model) if world > 1 else model
+
+    loss = torch.tensor(0.0)
+    for step in range(start + 1, args.steps + 1):
+        if args.sections:
+            ft.start_section("step")
+        if cycle == 0 and rank == args.hang_rank and step == args.hang_at_step:
+            hang_forever()
+        if cycle == 0 and rank == args.hang_rank and step == args.fail_at_step:
+            os._exit(3)
+        x, y = batch(step, args.seed, rank)
+        loss = nn.functional.mse_loss(ddp(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if args.step_time:
+            time.sleep(args.step_time)
+        if args.sections:
+            ft.end_section("step")
+        ft.send_heartbeat()
+        print(f"rank {rank} cycle {cycle} step {step} loss {loss.item():.6f}", flush=True)
+        if step % args.ckpt_every == 0 or step == args.steps:
+            save_checkpoint(rank, step, model, opt, ckpt_dir, ckpt_path)
+            if world > 1:
+                dist.barrier()
+    if rank == 0:
+        result = {"steps": args.steps, "final_loss": round(loss.item(), 6), "cycle": cycle}
+        (ckpt_dir / "result.json").write_text(json.dumps(result))
+    ft.shutdown_workload_monitoring()
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def save_checkpoint(rank: int, step: int, model: nn.Module, opt: torch.optim.Optimizer,
+                    ckpt_dir: Path, ckpt_path: Path) -> None:
+    if rank != 0:
+        return
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    tmp = ckpt_path.with_suffix(".tmp")
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, tmp)
+    os.replace(tmp, ckpt_path)  # a crash mid-save never leaves a torn checkpoint
+    (ckpt_dir / "iteration").write_text(str(step))
+
+
+if __name__ == "__main__":
+    main()

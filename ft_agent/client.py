@@ -1,0 +1,316 @@
+"""RankMonitorClient: the training process's line to the launcher's monitor.
+
+Method names follow NVRx's ``RankMonitorClient`` so code ports by changing an import.
+Without ``FT_ENDPOINT`` in the environment (plain ``python train.py`` or plain torchrun)
+every call is a cheap no-op after one warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import logging
+import os
+import socket
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+from ft_agent import protocol
+
+log = logging.getLogger("ft_agent")
+
+# How long a request (hello, timeout calculation) waits for the monitor before giving up.
+REQUEST_TIMEOUT_S = 10.0
+# Heartbeats queued while the monitor is unreachable; beyond this they are dropped.
+SEND_HWM = 1000
+
+
+class RankMonitorClientError(RuntimeError):
+    """The monitor refused this rank or did not answer a request."""
+
+
+class RankMonitorClient:
+    """Heartbeats, sections, timeout calculation and reports for one rank.
+
+    Not thread-safe for concurrent use from several threads without the internal lock;
+    every public method takes the lock, and a heartbeat never blocks on the network.
+    """
+
+    def __init__(self) -> None:
+        self._sock: Any = None
+        self._ctx: Any = None
+        self._lock = threading.Lock()
+        self._req = 0
+        self._enabled = False
+        self._warned = False
+        self._stack_file: Any = None
+        self._noblock: int = 0
+        self._zmq_error: type[Exception] = Exception
+        self.timeouts: dict[str, Any] = {}
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.cycle = int(os.environ.get("FT_CYCLE", "0"))
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    @property
+    def is_initialized(self) -> bool:
+        """True when connected to a launcher's monitor."""
+        return self._enabled
+
+    def init_workload_monitoring(self) -> None:
+        """Connect to the monitor named by ``FT_ENDPOINT`` and say hello.
+
+        Raises RankMonitorClientError when the monitor refuses the token or does not
+        answer; does nothing (after one warning) outside ``ft_launcher``.
+        """
+        if self._enabled:
+            return
+        endpoint = os.environ.get("FT_ENDPOINT")
+        if not endpoint:
+            self._warn_disabled()
+            return
+        import zmq  # deferred so that importing ft_agent stays cheap
+
+        self._noblock, self._zmq_error = zmq.NOBLOCK, zmq.ZMQError
+        self._ctx = zmq.Context.instance()
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+        sock.setsockopt(zmq.IMMEDIATE, 0)
+        sock.connect(endpoint)
+        self._sock = sock
+        hello = protocol.encode(
+            protocol.HELLO,
+            token=os.environ.get("FT_TOKEN", ""),
+            rank=self.rank,
+            local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+            pid=os.getpid(),
+            host=socket.gethostname(),
+            cycle=self.cycle,
+        )
+        with self._lock:
+            sock.send(hello)
+            reply = self._wait_for({protocol.CONFIG}, None)
+        if reply is None:
+            self._close()
+            raise RankMonitorClientError(
+                f"monitor at {endpoint} did not answer hello within {REQUEST_TIMEOUT_S:.0f} s"
+            )
+        if not reply["ok"]:
+            self._close()
+            raise RankMonitorClientError(f"monitor refused this rank: {reply.get('error')}")
+        self.timeouts = dict(reply.get("timeouts") or {})
+        self._register_stack_dump(reply)
+        self._enabled = True
+        _arm_simulated_exit(os.environ.get("FT_SIMULATED_FAULT", ""))
+        log.debug("rank %d cycle %d: connected to %s", self.rank, self.cycle, endpoint)
+
+    def shutdown_workload_monitoring(self) -> None:
+        """Say goodbye and close the connection; the monitor stops judging this rank."""
+        if not self._enabled:
+            return
+        with self._lock:
+            self._send(protocol.encode(protocol.GOODBYE))
+        self._close()
+
+    # -- hot path ----------------------------------------------------------------------
+
+    def send_heartbeat(self) -> None:
+        """Tell the monitor this rank is alive. Never blocks, never raises."""
+        if not self._enabled:
+            return
+        with self._lock:
+            self._send(protocol.HEARTBEAT_FRAME)
+
+    def start_section(self, name: str) -> None:
+        """Open a timed section (its own timeout applies while it is open)."""
+        self._fire(protocol.SECTION_OPEN, name=str(name))
+
+    def end_section(self, name: str) -> None:
+        """Close a timed section opened with start_section."""
+        self._fire(protocol.SECTION_CLOSE, name=str(name))
+
+    def end_all_sections(self) -> None:
+        """Close every open section of this rank."""
+        self._fire(protocol.SECTION_CLOSE_ALL)
+
+    @contextlib.contextmanager
+    def section(self, name: str) -> Iterator[None]:
+        """``with client.section("step"): ...`` opens and closes a timed section."""
+        self.start_section(name)
+        try:
+            yield
+        finally:
+            self.end_section(name)
+
+    # -- timeouts ----------------------------------------------------------------------
+
+    def calculate_and_set_hb_timeouts(self, skip_if_not_ready: bool = False) -> bool:
+        """Have the monitor compute heartbeat timeouts from the intervals it observed.
+
+        The monitor measures every interval itself, so no collective call is needed and a
+        missing rank cannot deadlock this. Returns True when new timeouts are in force.
+        """
+        return self._request(protocol.CALCULATE, what="hb", skip_if_not_ready=skip_if_not_ready)
+
+    def calculate_and_set_section_timeouts(
+        self, selected_sections: list[str] | None = None, calc_out_of_section: bool = True
+    ) -> bool:
+        """Have the monitor compute section timeouts from the section times it observed."""
+        return self._request(
+            protocol.CALCULATE,
+            what="sections",
+            sections=list(selected_sections) if selected_sections is not None else None,
+            out_of_section=calc_out_of_section,
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The timeouts in force, for a checkpoint."""
+        return {"timeouts": dict(self.timeouts)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Put timeouts from a checkpoint back in force at the monitor."""
+        timeouts = state.get("timeouts") if isinstance(state, dict) else None
+        if not isinstance(timeouts, dict):
+            raise ValueError("RankMonitorClient state must be a dict with a 'timeouts' dict")
+        self.timeouts = dict(timeouts)
+        self._request(protocol.SET_TIMEOUTS, timeouts=timeouts)
+
+    # -- control and reports -----------------------------------------------------------
+
+    def send_workload_control_request(self, action: str) -> None:
+        """Ask the launcher to "continue", "exclude_node" (this one) or "shutdown"."""
+        action = getattr(action, "value", action)
+        if action not in protocol.CONTROL_ACTIONS:
+            raise ValueError(
+                f"workload control action {action!r}: expected one of {protocol.CONTROL_ACTIONS}"
+            )
+        self._fire(protocol.CONTROL, action=action)
+
+    def send_diagnosis(self, **fields: Any) -> None:
+        """Forward a rerun state machine event (state, diagnostic, iteration, ...)."""
+        fields.setdefault("iteration", None)
+        fields.setdefault("state", "UNKNOWN")
+        self._fire(protocol.DIAGNOSIS, **fields)
+
+    def send_report(self, what: str, message: str) -> None:
+        """Put something this rank observed on the launcher's record (e.g. an exception)."""
+        self._fire(protocol.REPORT, what=str(what), message=str(message)[:8000])
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _warn_disabled(self) -> None:
+        if not self._warned:
+            self._warned = True
+            warnings.warn(
+                "ft_agent: FT_ENDPOINT is not set (not started by ft_launcher); "
+                "fault-tolerance calls do nothing",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+    def _fire(self, kind: str, **fields: Any) -> None:
+        if not self._enabled:
+            return
+        frame = protocol.encode(kind, **fields)
+        with self._lock:
+            self._send(frame)
+
+    def _send(self, frame: bytes) -> None:
+        try:
+            self._sock.send(frame, self._noblock)
+        except self._zmq_error:
+            pass  # monitor gone or queue full: training must go on
+
+    def _request(self, kind: str, **fields: Any) -> bool:
+        if not self._enabled:
+            return False
+        with self._lock:
+            self._req += 1
+            req = self._req
+            self._send(protocol.encode(kind, req=req, **fields))
+            reply = self._wait_for({protocol.ACK}, req)
+        if reply is None:
+            log.warning("rank %d: monitor did not answer %s request", self.rank, kind)
+            return False
+        if reply.get("timeouts"):
+            self.timeouts = dict(reply["timeouts"])
+        if not reply["ok"] and reply.get("error"):
+            log.warning("rank %d: %s: %s", self.rank, kind, reply["error"])
+        return bool(reply["ok"])
+
+    def _wait_for(self, kinds: set[str], req: int | None) -> dict[str, Any] | None:
+        import zmq
+
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        remaining_ms = REQUEST_TIMEOUT_S * 1000
+        while remaining_ms > 0:
+            if not poller.poll(min(remaining_ms, 100)):
+                remaining_ms -= 100
+                continue
+            try:
+                msg = protocol.decode(self._sock.recv(zmq.NOBLOCK))
+            except (zmq.ZMQError, protocol.ProtocolError) as exc:
+                log.warning("rank %d: bad reply from monitor: %s", self.rank, exc)
+                continue
+            if msg["k"] in kinds and (req is None or msg.get("req") == req):
+                return msg
+        return None
+
+    def _register_stack_dump(self, reply: dict[str, Any]) -> None:
+        # faulthandler writes from C, so it works while the rank is stuck inside a
+        # collective or a C extension, where a Python signal handler would never run.
+        path, signum = reply.get("stack_file"), reply.get("stack_signal")
+        if not path or not signum:
+            return
+        try:
+            self._stack_file = open(path, "w")  # noqa: SIM115 - held for the process's life
+            faulthandler.register(int(signum), file=self._stack_file, all_threads=True)
+        except (OSError, ValueError, RuntimeError) as exc:
+            log.warning("rank %d: cannot arm stack dumps: %s", self.rank, exc)
+
+    def _close(self) -> None:
+        self._enabled = False
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+
+
+def _arm_simulated_exit(spec: str) -> None:
+    """``rank_exit:code=N,at=T`` from the launcher: exit with N at wall time T.
+
+    Signals can kill or stop a process from outside but cannot choose its exit code, so
+    this one simulated fault is carried out by the rank itself.
+    """
+    kind, _, rest = spec.partition(":")
+    if kind != "rank_exit":
+        return
+    fields = dict(p.split("=", 1) for p in rest.split(",") if "=" in p)
+    try:
+        code, at = int(fields["code"]), float(fields["at"])
+    except (KeyError, ValueError):
+        log.warning("ignoring malformed FT_SIMULATED_FAULT=%r", spec)
+        return
+
+    def fire() -> None:
+        log.warning("simulated fault: rank exits with %d", code)
+        os._exit(code)
+
+    timer = threading.Timer(max(0.0, at - time.time()), fire)
+    timer.daemon = True
+    timer.start()
+
+
+_default_client: RankMonitorClient | None = None
+
+
+def get_client() -> RankMonitorClient:
+    """The process-wide client (created on first use, not connected)."""
+    global _default_client
+    if _default_client is None:
+        _default_client = RankMonitorClient()
+    return _default_client

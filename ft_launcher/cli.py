@@ -1,0 +1,293 @@
+"""``ft_launcher``: torchrun-compatible command line plus fault-tolerance options."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ft_launcher.config import (
+    FT_PARSERS,
+    ConfigError,
+    FaultToleranceConfig,
+    LaunchConfig,
+    load_yaml_section,
+    parse_ft_value,
+)
+
+log = logging.getLogger("ft_launcher")
+
+
+def _parse_nnodes(value: str) -> tuple[int, int]:
+    lo, sep, hi = str(value).partition(":")
+    try:
+        nodes = (int(lo), int(hi) if sep else int(lo))
+    except ValueError:
+        raise ConfigError(f"--nnodes: expected N or MIN:MAX, got {value!r}") from None
+    if nodes[0] < 1 or nodes[1] < nodes[0]:
+        raise ConfigError(f"--nnodes: expected 1 <= MIN <= MAX, got {value!r}")
+    return nodes
+
+
+def _parse_per_rank(name: str, value: str | None, nproc: int) -> dict[int, int]:
+    """torchrun's ``-r/-t``: ``3`` for every local rank or ``0:3,1:1`` per rank."""
+    if not value:
+        return {}
+    try:
+        if ":" not in value:
+            return {r: _std(int(value), name) for r in range(nproc)}
+        out = {}
+        for part in value.split(","):
+            rank, _, std = part.partition(":")
+            out[int(rank)] = _std(int(std), name)
+        return out
+    except ValueError:
+        raise ConfigError(f"{name}: expected 0-3 or local_rank:0-3,..., got {value!r}") from None
+
+
+def _std(value: int, name: str) -> int:
+    if value not in range(4):
+        raise ConfigError(f"{name}: stream selector must be 0 (none) to 3 (both), got {value}")
+    return value
+
+
+def _parse_kv(name: str, value: str | None) -> dict[str, str]:
+    if not value:
+        return {}
+    out = {}
+    for part in value.split(","):
+        key, sep, val = part.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"{name}: expected key=value[,key=value], got {part!r}")
+        out[key.strip()] = val.strip()
+    return out
+
+
+def _entrypoint(script: str, module: bool, no_python: bool) -> list[str]:
+    if module and no_python:
+        raise ConfigError("-m/--module and --no-python cannot be used together")
+    if no_python:
+        resolved = shutil.which(script)
+        if resolved is None:
+            raise ConfigError(f"training program {script!r} not found or not executable")
+        return [script]
+    if module:
+        return [sys.executable, "-u", "-m", script]
+    if not Path(script).is_file():
+        raise ConfigError(f"training script {script!r} not found")
+    return [sys.executable, "-u", script]
+
+
+def _default_run_id() -> str:
+    return os.environ.get("SLURM_JOB_ID") or f"{time.strftime('%Y%m%d-%H%M%S')}-" \
+        f"{uuid.uuid4().hex[:6]}"
+
+
+# Fault-tolerance options: (option, config key, help). Parsed by config.parse_ft_value.
+FT_OPTIONS = [
+    ("--ft-initial-rank-heartbeat-timeout", "initial_rank_heartbeat_timeout",
+     "Seconds from a worker's spawn to its first heartbeat or section ('none' = learn)."),
+    ("--ft-rank-heartbeat-timeout", "rank_heartbeat_timeout",
+     "Seconds allowed between heartbeats ('none' = learn from observed intervals)."),
+    ("--ft-rank-section-timeouts", "rank_section_timeouts",
+     "Per-section timeouts, e.g. 'step:30,checkpoint:600'."),
+    ("--ft-rank-out-of-section-timeout", "rank_out_of_section_timeout",
+     "Seconds allowed outside any section once sections are used ('none' = off)."),
+    ("--ft-safety-factor", "safety_factor",
+     "Calculated timeout = factor x longest observed interval [5.0]."),
+    ("--ft-rank-termination-signal", "rank_termination_signal",
+     "Signal sent to a hung rank [SIGKILL]."),
+    ("--ft-state-path", "state_path",
+     "Learned timeouts file, reusable by later jobs [RUN_DIR/ft_state.json]."),
+    ("--ft-simulated-fault", "simulated_fault",
+     "Inject a fault: TYPE[:key=value,...], TYPE rank_killed|rank_hung|random|rank_exit, "
+     "keys base_delay, rand_delay, rank, cycles (N, A-B, all), seed, code."),
+    ("--ft-skip-bad-iterations", "skip_bad_iterations",
+     "On a validation failure that reproduces on other hardware, restart and skip it."),
+    ("--ft-max-no-progress-cycles", "max_no_progress_cycles",
+     "Stop with exit 18 after this many cycles without checkpoint progress."),
+    ("--ft-checkpoint-iteration-file", "checkpoint_iteration_file",
+     "File holding the last checkpointed iteration (written by the training)."),
+    ("--ft-warm-restart", "warm_restart", "Keep standby workers with imports done."),
+    ("--ft-preload", "preload", "Modules standby workers import [torch]."),
+]
+
+
+def _ft_option(flag: str, key: str, help_text: str):
+    if key in ("skip_bad_iterations", "warm_restart"):
+        return click.option(flag, key, is_flag=True, default=None, help=help_text)
+    return click.option(flag, key, default=None, metavar="VALUE", help=help_text)
+
+
+def _with_ft_options(func):
+    for flag, key, help_text in reversed(FT_OPTIONS):
+        func = _ft_option(flag, key, help_text)(func)
+    return func
+
+
+def build_ft_config(cfg_path: str | None, given: dict[str, Any]) -> FaultToleranceConfig:
+    """Defaults, then the YAML file, then options given on the command line."""
+    values: dict[str, Any] = load_yaml_section(cfg_path) if cfg_path else {}
+    flags = {key: flag for flag, key, _ in FT_OPTIONS}
+    for key, value in given.items():
+        if value is not None:
+            values[key] = parse_ft_value(key, value, flags[key])
+    assert set(values) <= set(FT_PARSERS)
+    return FaultToleranceConfig(**values)
+
+
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+
+
+@click.command(
+    context_settings={**CONTEXT, "ignore_unknown_options": False,
+                      "allow_interspersed_args": False},
+    help="""Start NPROC_PER_NODE workers of TRAINING_SCRIPT on this node, restart the group
+    when a worker fails or hangs, and exit with a code a scheduler can act on
+    (0 done, 1 failed, 16 re-run elsewhere, 17 validation failed, 18 no progress).
+
+    Options match torchrun's; the --ft-* options add hang detection, fault injection and
+    the rerun policy. Everything lands in the run directory (--ft-run-dir).""",
+)
+@click.option("--nnodes", default="1", show_default=True, help="Nodes: N or MIN:MAX.")
+@click.option("--nproc-per-node", "--nproc_per_node", "nproc_per_node", default="1",
+              show_default=True, help="Workers per node (an integer, or 'cpu').")
+@click.option("--node-rank", "--node_rank", "node_rank", type=int, default=0, show_default=True,
+              help="This node's rank (static rendezvous).")
+@click.option("--master-addr", "--master_addr", "master_addr", default="127.0.0.1",
+              show_default=True, help="Address of the rank-0 node (static rendezvous).")
+@click.option("--master-port", "--master_port", "master_port", type=int, default=None,
+              help="Port for the workers' process group [a free port, new each cycle].")
+@click.option("--rdzv-backend", "--rdzv_backend", "rdzv_backend", default="static",
+              type=click.Choice(["static", "c10d"]), show_default=True,
+              help="Rendezvous for several nodes.")
+@click.option("--rdzv-endpoint", "--rdzv_endpoint", "rdzv_endpoint", default="",
+              help="host:port of the c10d rendezvous.")
+@click.option("--rdzv-id", "--rdzv_id", "rdzv_id", default="none", show_default=True,
+              help="Job id shared by every node; also the run id.")
+@click.option("--rdzv-conf", "--rdzv_conf", "rdzv_conf", default="",
+              help="Extra rendezvous settings: key=value,...")
+@click.option("--standalone", is_flag=True, help="Single node, local rendezvous.")
+@click.option("--max-restarts", "--max_restarts", "max_restarts", type=click.IntRange(min=0),
+              default=0, show_default=True, help="Restarts of the worker group before giving up.")
+@click.option("--monitor-interval", "--monitor_interval", "monitor_interval",
+              type=click.FloatRange(min=0.001), default=0.1, show_default=True,
+              help="Seconds between checks of workers and other nodes.")
+@click.option("--log-dir", "--log_dir", "log_dir", default=None,
+              help="Directory for worker logs [RUN_DIR/logs].")
+@click.option("-r", "--redirects", default=None,
+              help="Keep worker output out of the console: 0-3 or local_rank:0-3,...")
+@click.option("-t", "--tee", default=None,
+              help="Also copy worker output to the console: 0-3 or local_rank:0-3,...")
+@click.option("--local-ranks-filter", "--local_ranks_filter", "local_ranks_filter", default=None,
+              help="Only these local ranks' output on the console, e.g. 0,1.")
+@click.option("-m", "--module", is_flag=True, help="Run TRAINING_SCRIPT as 'python -m'.")
+@click.option("--no-python", "--no_python", "no_python", is_flag=True,
+              help="TRAINING_SCRIPT is an executable, not a Python file.")
+@click.option("--run-path", "--run_path", "run_path", is_flag=True,
+              help="Run the script by path (the default here; accepted for torchrun).")
+@click.option("--term-timeout", "--term_timeout", "term_timeout", type=click.FloatRange(min=0),
+              default=30.0, show_default=True,
+              help="Grace for workers after the launcher gets SIGTERM/SIGINT.")
+@click.option("--workers-stop-timeout", "workers_stop_timeout", type=click.FloatRange(min=0),
+              default=15.0, show_default=True,
+              help="Grace between SIGTERM and SIGKILL when stopping a group.")
+@click.option("--ft-run-dir", "run_dir", default=None,
+              help="Run directory [./ft_runs/RUN_ID].")
+@click.option("--ft-cfg-path", "cfg_path", default=None,
+              help="YAML file with a 'fault_tolerance:' section (NVRx key names).")
+@_with_ft_options
+@click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
+@click.argument("training_script")
+@click.argument("training_script_args", nargs=-1, type=click.UNPROCESSED)
+def cli(**opts: Any) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if opts.pop("verbose") else logging.INFO,
+        format="[ft_launcher %(asctime)s] %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        cfg = build_launch_config(opts)
+        from ft_launcher.supervisor import Supervisor  # after validation: imports zmq
+
+        supervisor = Supervisor(cfg)
+    except (ConfigError, OSError, RuntimeError) as exc:
+        raise click.ClickException(str(exc)) from None
+    sys.exit(supervisor.run())
+
+
+def build_launch_config(opts: dict[str, Any]) -> LaunchConfig:
+    """Turn parsed options into a LaunchConfig; raises ConfigError for user mistakes."""
+    ft = build_ft_config(opts["cfg_path"], {key: opts[key] for _, key, _ in FT_OPTIONS})
+    min_nodes, max_nodes = _parse_nnodes(opts["nnodes"])
+    nproc_text = str(opts["nproc_per_node"])
+    if nproc_text == "cpu":
+        nproc = os.cpu_count() or 1
+    elif nproc_text.isdigit() and int(nproc_text) > 0:
+        nproc = int(nproc_text)
+    else:
+        raise ConfigError(f"--nproc-per-node: expected a positive integer or 'cpu', "
+                          f"got {nproc_text!r}")
+    backend = opts["rdzv_backend"]
+    if opts["standalone"]:
+        if max_nodes > 1:
+            raise ConfigError("--standalone runs one node; --nnodes must be 1")
+        backend = "static"
+    if backend == "static" and max_nodes > 1 and min_nodes != max_nodes:
+        raise ConfigError("--nnodes MIN:MAX needs --rdzv-backend c10d")
+    if not 0 <= opts["node_rank"] < max_nodes:
+        raise ConfigError(f"--node-rank {opts['node_rank']}: must be in 0..{max_nodes - 1}")
+    if opts["master_port"] is not None and not 0 < opts["master_port"] < 65536:
+        raise ConfigError(f"--master-port {opts['master_port']}: not a port number")
+    if backend == "static" and max_nodes > 1 and opts["master_port"] is None:
+        raise ConfigError("--master-port: required for several nodes with the static backend")
+    run_id = opts["rdzv_id"] if opts["rdzv_id"] != "none" else _default_run_id()
+    run_dir = Path(opts["run_dir"]) if opts["run_dir"] else Path("ft_runs") / run_id
+    ranks_filter = None
+    if opts["local_ranks_filter"]:
+        try:
+            ranks_filter = {int(r) for r in opts["local_ranks_filter"].split(",")}
+        except ValueError:
+            raise ConfigError(f"--local-ranks-filter: expected e.g. 0,1, got "
+                              f"{opts['local_ranks_filter']!r}") from None
+    return LaunchConfig(
+        entrypoint=_entrypoint(opts["training_script"], opts["module"], opts["no_python"]),
+        script_args=list(opts["training_script_args"]),
+        nproc_per_node=nproc,
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        node_rank=opts["node_rank"],
+        master_addr=opts["master_addr"],
+        master_port=opts["master_port"],
+        rdzv_backend=backend,
+        rdzv_endpoint=opts["rdzv_endpoint"],
+        rdzv_id=run_id,
+        rdzv_conf=_parse_kv("--rdzv-conf", opts["rdzv_conf"]),
+        max_restarts=opts["max_restarts"],
+        monitor_interval=opts["monitor_interval"],
+        run_id=run_id,
+        run_dir=run_dir,
+        log_dir=Path(opts["log_dir"]) if opts["log_dir"] else None,
+        redirects=_parse_per_rank("--redirects", opts["redirects"], nproc),
+        tee=_parse_per_rank("--tee", opts["tee"], nproc),
+        local_ranks_filter=ranks_filter,
+        term_timeout=opts["term_timeout"],
+        workers_stop_timeout=opts["workers_stop_timeout"],
+        ft=ft,
+    )
+
+
+def main() -> None:
+    """Console-script entry point."""
+    cli()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""Simulated faults delivered by the launcher: ``--ft-simulated-fault TYPE[:key=value,...]``.
+
+``rank_killed`` (SIGKILL) and ``rank_hung`` (SIGSTOP) are delivered from outside the worker,
+so they work for any script. ``rank_exit`` needs the worker to exit with a given code, which
+only the worker can do: the launcher arms it through ``FT_SIMULATED_FAULT`` and ft_agent,
+once initialised in the worker, exits at the planned time.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import time
+from dataclasses import dataclass
+
+from ft_launcher.config import ConfigError
+
+FAULT_TYPES = ("rank_killed", "rank_hung", "random", "rank_exit")
+KEYS = ("base_delay", "rand_delay", "rank", "cycles", "seed", "code")
+
+
+@dataclass
+class FaultPlan:
+    """A parsed ``--ft-simulated-fault``."""
+
+    fault_type: str
+    base_delay: float = 5.0
+    rand_delay: float = 0.0
+    rank: int | None = None
+    cycles: range | None = range(0, 1)  # None: every cycle
+    seed: int | None = None
+    code: int = 1
+
+    def fires_in(self, cycle: int) -> bool:
+        return self.cycles is None or cycle in self.cycles
+
+
+@dataclass
+class ArmedFault:
+    """The fault of one cycle: what, to whom, when (wall clock)."""
+
+    fault_type: str  # resolved: never "random"
+    rank: int
+    at: float
+    code: int = 1
+    fired: bool = False
+
+    @property
+    def signum(self) -> int:
+        return int(signal.SIGKILL if self.fault_type == "rank_killed" else signal.SIGSTOP)
+
+    def env_value(self) -> str:
+        """FT_SIMULATED_FAULT for the victim (read by ft_agent for rank_exit)."""
+        return f"{self.fault_type}:code={self.code},at={self.at:.6f}"
+
+
+def _number(key: str, value: str, kind: type) -> float | int:
+    try:
+        number = kind(value)
+    except ValueError:
+        raise ConfigError(f"--ft-simulated-fault: {key}={value!r} is not a number") from None
+    if number < 0:
+        raise ConfigError(f"--ft-simulated-fault: {key} must not be negative")
+    return number
+
+
+def _cycles(value: str) -> range | None:
+    if value == "all":
+        return None
+    first, sep, last = value.partition("-")
+    try:
+        lo = int(first)
+        hi = int(last) if sep else lo
+    except ValueError:
+        raise ConfigError(
+            f"--ft-simulated-fault: cycles={value!r}: expected N, A-B or all"
+        ) from None
+    if lo < 0 or hi < lo:
+        raise ConfigError(f"--ft-simulated-fault: cycles={value!r} is an empty range")
+    return range(lo, hi + 1)
+
+
+def parse_fault(text: str) -> FaultPlan:
+    """Parse ``TYPE[:key=value,...]``; raises ConfigError naming the bad part."""
+    fault_type, _, rest = text.strip().partition(":")
+    if fault_type not in FAULT_TYPES:
+        raise ConfigError(
+            f"--ft-simulated-fault: unknown fault type {fault_type!r}; "
+            f"expected one of {', '.join(FAULT_TYPES)}"
+        )
+    plan = FaultPlan(fault_type)
+    for item in filter(None, (p.strip() for p in rest.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or key not in KEYS:
+            raise ConfigError(
+                f"--ft-simulated-fault: unknown key {key!r}; expected key=value with key one "
+                f"of {', '.join(KEYS)}"
+            )
+        if key in ("base_delay", "rand_delay"):
+            setattr(plan, key, float(_number(key, value, float)))
+        elif key == "cycles":
+            plan.cycles = _cycles(value)
+        else:
+            setattr(plan, key, int(_number(key, value, int)))
+    if plan.fault_type == "rank_exit" and "code=" not in rest:
+        raise ConfigError("--ft-simulated-fault: rank_exit needs code=N (e.g. code=16)")
+    return plan
+
+
+def arm(plan: FaultPlan, cycle: int, world_size: int, run_id: str) -> ArmedFault | None:
+    """The fault for this cycle, identical on every node (seeded by run id and cycle)."""
+    if not plan.fires_in(cycle):
+        return None
+    rng = random.Random(f"{plan.seed if plan.seed is not None else run_id}:{cycle}")
+    rank = plan.rank if plan.rank is not None else rng.randrange(world_size)
+    if rank >= world_size:
+        raise ConfigError(
+            f"--ft-simulated-fault: rank={rank} but the world has {world_size} ranks"
+        )
+    fault_type = plan.fault_type
+    if fault_type == "random":
+        fault_type = rng.choice(("rank_killed", "rank_hung"))
+    delay = plan.base_delay + rng.uniform(0.0, plan.rand_delay)
+    return ArmedFault(fault_type, rank, time.time() + delay, plan.code)

@@ -1,0 +1,256 @@
+"""The exit-code and fault policy: the one place that decides what follows a cycle.
+
+Input: how the cycle ended (``CycleResult``) and the job's state so far (``JobState``).
+Output: a ``Decision``: restart (maybe on rotated devices) or exit with a code, and what a
+scheduler wrapper should do next. Nothing else in the launcher decides.
+
+| cycle ended with | decision|
+|-----------------------------------------|-----------------------------------------------------------|
+| every worker 0 | exit 0, no requeue|
+| launcher got SIGTERM / SIGINT | exit 128+signal; requeue after SIGTERM only|
+| rank asked shutdown / exclude_node | exit 1; no requeue / requeue without this node|
+| other nodes re-rendezvous | restart, not counted|
+| exit 16 (resume elsewhere) | restart on rotated devices while a new device is left,|
+| | else exit 16, requeue excluding this node|
+| exit 17, transient error | restart in place (counted)|
+| exit 17, persistent error | restart away from the suspicious device if a spare exists,|
+| | else exit 17, requeue excluding this node|
+| exit 17, correct result (bad data) | restart to skip it with --ft-skip-bad-iterations,|
+| | else exit 17, stop|
+| exit 17, no diagnosis received | exit 17, stop|
+| no progress for N cycles | exit 18, stop|
+| any other failure or a hang | restart while --max-restarts lasts, else exit 1, requeue|
+"""
+
+from __future__ import annotations
+
+import enum
+import signal
+from dataclasses import dataclass, field
+from typing import Any
+
+EXIT_SUCCESS = 0
+EXIT_FAILURE = 1
+EXIT_RESUME_ELSEWHERE = 16
+EXIT_FAILED_VALIDATION = 17
+EXIT_NO_PROGRESS = 18
+
+
+class Outcome(enum.Enum):
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"  # a worker exited non-zero or was killed
+    HUNG = "hung"  # the monitor judged a rank hung
+    SIGNALED = "signaled"  # the launcher itself got SIGTERM/SIGINT
+    PEER_CHANGED = "peer_changed"  # other nodes are waiting in the rendezvous
+    CONTROL = "control"  # a rank asked for shutdown or exclusion
+
+
+@dataclass
+class CycleResult:
+    """How one cycle ended."""
+
+    cycle: int
+    outcome: Outcome
+    failures: list[dict[str, Any]] = field(default_factory=list)  # first failure first
+    hang: dict[str, Any] | None = None
+    signum: int | None = None
+    control: str | None = None
+    diagnoses: list[dict[str, Any]] = field(default_factory=list)
+    progress_iteration: int | None = None
+
+
+@dataclass
+class JobState:
+    """What the policy remembers across cycles of one job."""
+
+    max_restarts: int
+    num_devices: int
+    nproc: int
+    host: str
+    skip_bad_iterations: bool = False
+    max_no_progress_cycles: int | None = None
+    restarts: int = 0
+    rotation: int = 0
+    rotations_left: int = 0
+    excluded_devices: set[int] = field(default_factory=set)
+    last_iteration: int | None = None
+    cycles_without_progress: int = 0
+
+    def __post_init__(self) -> None:
+        self.rotations_left = max(0, self.num_devices - 1)
+
+    def device_map(self) -> list[int]:
+        """Device id for each local rank under the current rotation and exclusions."""
+        usable = [d for d in range(self.num_devices) if d not in self.excluded_devices]
+        return [usable[(i + self.rotation) % len(usable)] for i in range(self.nproc)]
+
+
+@dataclass
+class NextAction:
+    """What a scheduler wrapper should do after the launcher exits."""
+
+    requeue: bool
+    exclude_nodes: list[str]
+    why: str
+
+
+@dataclass
+class Decision:
+    restart: bool
+    reason: str
+    exit_code: int | None = None
+    next_action: NextAction | None = None
+    counted: bool = True  # counts against --max-restarts
+    rotate: bool = False
+    exclude_device: int | None = None
+
+
+def _exit(code: int, reason: str, requeue: bool, exclude: list[str] | None = None) -> Decision:
+    return Decision(
+        restart=False,
+        reason=reason,
+        exit_code=code,
+        next_action=NextAction(requeue=requeue, exclude_nodes=exclude or [], why=reason),
+    )
+
+
+def _restart_or_exhausted(state: JobState, reason: str) -> Decision:
+    if state.restarts < state.max_restarts:
+        return Decision(restart=True, reason=reason)
+    return _exit(
+        EXIT_FAILURE,
+        f"{reason}; restarts exhausted ({state.restarts} of {state.max_restarts})",
+        requeue=True,
+    )
+
+
+def _verdict(diagnoses: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The last diagnosis that carries a final diagnostic, if any rank sent one."""
+    for d in reversed(diagnoses):
+        if d.get("diagnostic") in ("TRANSIENT_ERROR", "PERSISTENT_ERROR", "CORRECT_RESULT"):
+            return d
+    return None
+
+
+def _decide_17(result: CycleResult, state: JobState) -> Decision:
+    verdict = _verdict(result.diagnoses)
+    here = [state.host]
+    if verdict is None:
+        return _exit(EXIT_FAILED_VALIDATION, "exit 17 without a diagnosis from the rank",
+                     requeue=False)
+    diagnostic = verdict["diagnostic"]
+    where = f"iteration {verdict.get('iteration')}"
+    if diagnostic == "TRANSIENT_ERROR":
+        return _restart_or_exhausted(state, f"transient error at {where}; restart in place")
+    if diagnostic == "PERSISTENT_ERROR":
+        device = _device_number(verdict.get("suspicious_device") or verdict.get("device"))
+        spare = state.num_devices - len(state.excluded_devices) - 1 >= state.nproc
+        if device is not None and spare:
+            return Decision(
+                restart=True,
+                reason=f"persistent error at {where} on device {device}; excluding it",
+                exclude_device=device,
+            )
+        return _exit(
+            EXIT_FAILED_VALIDATION,
+            f"persistent error at {where} on device {verdict.get('suspicious_device')} of "
+            f"{state.host}; no spare device here",
+            requeue=True,
+            exclude=here,
+        )
+    if state.skip_bad_iterations:
+        return _restart_or_exhausted(state, f"{where} gives the same result on other "
+                                     "hardware (bad data); restart to skip it")
+    return _exit(
+        EXIT_FAILED_VALIDATION,
+        f"{where} failed validation with the same result on other hardware: the data, not "
+        "the hardware; stopping (use --ft-skip-bad-iterations to skip it)",
+        requeue=False,
+    )
+
+
+def _device_number(device: Any) -> int | None:
+    try:
+        return int(str(device).rsplit(":", 1)[-1])
+    except (TypeError, ValueError):
+        return None
+
+
+def _no_progress(result: CycleResult, state: JobState) -> Decision | None:
+    if state.max_no_progress_cycles is None or result.progress_iteration is None:
+        return None
+    if state.last_iteration is not None and result.progress_iteration <= state.last_iteration:
+        state.cycles_without_progress += 1
+    else:
+        state.cycles_without_progress = 0
+    state.last_iteration = result.progress_iteration
+    if state.cycles_without_progress >= state.max_no_progress_cycles:
+        return _exit(
+            EXIT_NO_PROGRESS,
+            f"no progress past iteration {result.progress_iteration} in "
+            f"{state.cycles_without_progress} cycles",
+            requeue=False,
+        )
+    return None
+
+
+def decide(result: CycleResult, state: JobState) -> Decision:
+    """The decision for a finished cycle (see the module table)."""
+    outcome = result.outcome
+    if outcome is Outcome.SUCCEEDED:
+        return _exit(EXIT_SUCCESS, "all workers finished with 0", requeue=False)
+    if outcome is Outcome.SIGNALED:
+        name = signal.Signals(result.signum).name if result.signum else "a signal"
+        return _exit(128 + (result.signum or 0), f"launcher received {name}",
+                     requeue=result.signum == signal.SIGTERM)
+    if outcome is Outcome.CONTROL:
+        if result.control == "exclude_node":
+            return _exit(EXIT_FAILURE, "a rank asked to exclude this node", requeue=True,
+                         exclude=[state.host])
+        return _exit(EXIT_FAILURE, "a rank asked to shut the workload down", requeue=False)
+    if outcome is Outcome.PEER_CHANGED:
+        return Decision(restart=True, reason="other nodes re-joined the rendezvous",
+                        counted=False)
+
+    stuck = _no_progress(result, state)
+    if stuck is not None:
+        return stuck
+    if outcome is Outcome.HUNG:
+        hang = result.hang or {}
+        return _restart_or_exhausted(
+            state, f"rank {hang.get('rank')} hung ({hang.get('timeout_kind')} timeout)"
+        )
+    codes = [f.get("exit_code") for f in result.failures]
+    if EXIT_RESUME_ELSEWHERE in codes:
+        if state.rotations_left > 0:
+            return Decision(
+                restart=True,
+                reason="exit 16: re-run the step from the checkpoint on rotated devices",
+                rotate=True,
+            )
+        return _exit(
+            EXIT_RESUME_ELSEWHERE,
+            "exit 16: the step must be re-run on other hardware and no other device is "
+            f"left on {state.host}",
+            requeue=True,
+            exclude=[state.host],
+        )
+    if EXIT_FAILED_VALIDATION in codes:
+        return _decide_17(result, state)
+    first = result.failures[0] if result.failures else {}
+    how = (f"exit code {first.get('exit_code')}" if first.get("exit_code") is not None
+           else f"signal {first.get('signal')}")
+    return _restart_or_exhausted(state, f"rank {first.get('rank')} failed ({how})")
+
+
+def apply(decision: Decision, state: JobState) -> None:
+    """Update the job state for a restart decision."""
+    if not decision.restart:
+        return
+    if decision.counted:
+        state.restarts += 1
+    if decision.rotate:
+        state.rotation += 1
+        state.rotations_left -= 1
+    if decision.exclude_device is not None:
+        state.excluded_devices.add(decision.exclude_device)
