@@ -487,11 +487,11 @@ class Monitor:
 
     # -- stacks ------------------------------------------------------------------------
 
-    def request_stacks(self) -> dict[int, int]:
-        """Ask every connected, active rank for its stacks; return rank -> file offset."""
+    def request_stacks(self, skip: set[int]) -> dict[int, int]:
+        """Ask every connected rank not in ``skip`` for its stacks; return rank -> offset."""
         offsets = {}
         for r in self.ranks.values():
-            if r.identity is not None and r.stack_file is not None and r.active:
+            if r.identity is not None and r.stack_file is not None and r.rank not in skip:
                 try:
                     offsets[r.rank] = r.stack_file.stat().st_size
                     os.kill(r.pid, STACK_SIGNAL)

@@ -147,7 +147,8 @@ class Supervisor:
         self._install_signals()
         self.event("launcher_started", host=self.host, pid=os.getpid(),
                    nproc_per_node=self.cfg.nproc_per_node, max_restarts=self.cfg.max_restarts,
-                   entrypoint=self.cfg.entrypoint + self.cfg.script_args)
+                   entrypoint=self.cfg.entrypoint + self.cfg.script_args,
+                   timeouts=self.monitor.timeouts_in_force())
         decision: Decision | None = None
         result: CycleResult | None = None
         try:
@@ -385,16 +386,14 @@ class Supervisor:
         """Stacks of every local rank: in a collective all go silent, and the culprit is
         the one whose stack is elsewhere. faulthandler where the agent armed it, py-spy for
         the others (a stopped process, or one that never connected)."""
-        offsets = {}
         pyspy_procs = {}
         py_spy = shutil.which("py-spy") or shutil.which(
             "py-spy", path=os.path.dirname(sys.executable))
+        # A stopped process cannot run its faulthandler; py-spy reads its memory instead.
+        stopped = {w.rank for w in group.alive() if _is_stopped(w.pid)}
+        offsets = self.monitor.request_stacks(skip=stopped)
         for w in group.alive():
-            stopped = _is_stopped(w.pid)
-            if not stopped:
-                offsets.update({r: o for r, o in self.monitor.request_stacks().items()
-                                if r == w.rank})
-            if (stopped or w.rank not in offsets) and py_spy:
+            if w.rank not in offsets and py_spy:
                 pyspy_procs[w.rank] = subprocess.Popen(
                     [py_spy, "dump", "--nonblocking", "--pid", str(w.pid)],
                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

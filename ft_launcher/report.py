@@ -1,0 +1,162 @@
+"""``ft_report RUN_DIR``: heartbeat and section intervals, timeouts, and each cycle's faults.
+
+Reads only the run directory (events.jsonl, ft_state.json, summary.json), so it works on a
+finished job, a running one, or a copy taken from a cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ft_launcher.rundir import read_events
+
+FAILURE_EVENTS = ("fault_injected", "hang_detected", "worker_exited")
+
+
+def _timeouts_in_force(events: list[dict[str, Any]]) -> dict[str, Any]:
+    current: dict[str, Any] = {}
+    for e in events:
+        if e["event"] in ("launcher_started", "timeouts_updated") and "timeouts" in e:
+            current = e["timeouts"]
+    return current
+
+
+def _timeout_of(kind: str, timeouts: dict[str, Any]) -> Any:
+    if kind.startswith("section:"):
+        return (timeouts.get("rank_section_timeouts") or {}).get(kind.split(":", 1)[1])
+    key = {
+        "initial": "initial_rank_heartbeat_timeout",
+        "heartbeat": "rank_heartbeat_timeout",
+        "out_of_section": "rank_out_of_section_timeout",
+    }.get(kind)
+    return timeouts.get(key) if key else None
+
+
+def interval_rows(run_dir: Path, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per cycle, rank and interval kind, with the timeouts in force and calculated."""
+    in_force = _timeouts_in_force(events)
+    try:
+        state = json.loads((run_dir / "ft_state.json").read_text())
+        calculated = state.get("calculated", {})
+    except (OSError, ValueError):
+        calculated = {}
+    rows = []
+    for e in events:
+        if e["event"] != "interval_stats":
+            continue
+        rows.append({
+            "cycle": e["cycle"], "rank": e["rank"], "kind": e["kind"], "count": e["count"],
+            "min": e["min"], "p50": e["p50"], "p99": e["p99"], "max": e["max"],
+            "timeout_in_force": _timeout_of(e["kind"], in_force),
+            "timeout_calculated": _timeout_of(e["kind"], calculated),
+        })
+    return rows
+
+
+def cycle_rows(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per cycle: its faults, how fast the fault was seen, how fast the job restarted."""
+    cycles: dict[int, dict[str, Any]] = {}
+    for e in events:
+        c = cycles.setdefault(e["cycle"], {"cycle": e["cycle"], "faults": [], "events": []})
+        c["events"].append(e)
+    rows = []
+    for n in sorted(cycles):
+        evs = cycles[n]["events"]
+        injected = next((e for e in evs if e["event"] == "fault_injected"), None)
+        hang = next((e for e in evs if e["event"] == "hang_detected"), None)
+        failed = next((e for e in evs if e["event"] == "worker_exited"
+                       and not e.get("stopped_by_launcher") and e.get("exit_code") != 0), None)
+        detected = hang or failed
+        faults = []
+        if injected:
+            faults.append(f"injected {injected['fault_type']} rank {injected['rank']}")
+        if hang:
+            faults.append(f"hang rank {hang['rank']} ({hang['timeout_kind']}, "
+                          f"{hang['silence_s']} s silent)")
+        if failed:
+            how = failed.get("signal") or f"exit {failed.get('exit_code')}"
+            faults.append(f"rank {failed['rank']} died ({how})")
+        decision = next((e for e in evs if e["event"] == "decision"), None)
+        nxt = cycles.get(n + 1, {}).get("events", [])
+        started = next((e for e in nxt if e["event"] == "workers_started"), None)
+        connected = [e for e in nxt if e["event"] == "rank_connected"]
+        rows.append({
+            "cycle": n,
+            "faults": faults,
+            "detection_s": round(detected["ts"] - injected["ts"], 3)
+            if detected and injected else None,
+            "restart_s": round(started["ts"] - detected["ts"], 3)
+            if started and detected else None,
+            "reconnect_s": round(max(e["ts"] for e in connected) - detected["ts"], 3)
+            if connected and detected else None,
+            "decision": decision.get("reason") if decision else None,
+        })
+    return rows
+
+
+def build_report(run_dir: Path) -> dict[str, Any]:
+    events = read_events(run_dir)
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        summary = None
+    return {"run_dir": str(run_dir), "intervals": interval_rows(run_dir, events),
+            "cycles": cycle_rows(events), "summary": summary}
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3f}"
+    return str(value)
+
+
+def render_text(report: dict[str, Any]) -> str:
+    lines = [f"Run {report['run_dir']}", "", "Intervals (seconds)"]
+    head = ["cycle", "rank", "kind", "count", "min", "p50", "p99", "max", "timeout", "calculated"]
+    table = [head] + [
+        [_fmt(r[k]) for k in ("cycle", "rank", "kind", "count", "min", "p50", "p99", "max",
+                              "timeout_in_force", "timeout_calculated")]
+        for r in report["intervals"]
+    ]
+    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in table]
+    lines += ["", "Cycles"]
+    for c in report["cycles"]:
+        lines.append(
+            f"  cycle {c['cycle']}: {'; '.join(c['faults']) or 'no fault'}"
+            f" | detection {_fmt(c['detection_s'])} s | restart {_fmt(c['restart_s'])} s"
+            f" | all ranks back {_fmt(c['reconnect_s'])} s | {c['decision'] or ''}"
+        )
+    s = report["summary"]
+    if s:
+        lines += ["", f"Exit {s['exit_code']}: {s['reason']} ({s['restarts']} restarts); "
+                      f"next: {'requeue' if s['next_action']['requeue'] else 'stop'}"
+                      f"{' excluding ' + ','.join(s['next_action']['exclude_nodes']) if s['next_action']['exclude_nodes'] else ''}"]  # noqa: E501
+    return "\n".join(lines)
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("run_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def cli(run_dir: Path, as_json: bool) -> None:
+    """Report heartbeat/section intervals, timeouts and faults of an ft_launcher run."""
+    if not (run_dir / "events.jsonl").is_file():
+        raise click.ClickException(f"{run_dir}: no events.jsonl (not an ft_launcher run dir)")
+    report = build_report(run_dir)
+    if as_json:
+        json.dump(report, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        click.echo(render_text(report))
+
+
+def main() -> None:
+    """Console-script entry point."""
+    cli()
