@@ -8,6 +8,7 @@ once initialised in the worker, exits at the planned time.
 
 from __future__ import annotations
 
+import math
 import random
 import signal
 import time
@@ -59,8 +60,8 @@ def _number(key: str, value: str, kind: type) -> float | int:
         number = kind(value)
     except ValueError:
         raise ConfigError(f"--ft-simulated-fault: {key}={value!r} is not a number") from None
-    if number < 0:
-        raise ConfigError(f"--ft-simulated-fault: {key} must not be negative")
+    if not math.isfinite(number) or number < 0:
+        raise ConfigError(f"--ft-simulated-fault: {key}={value!r} must be a finite number >= 0")
     return number
 
 
@@ -102,9 +103,25 @@ def parse_fault(text: str) -> FaultPlan:
             plan.cycles = _cycles(value)
         else:
             setattr(plan, key, int(_number(key, value, int)))
-    if plan.fault_type == "rank_exit" and "code=" not in rest:
-        raise ConfigError("--ft-simulated-fault: rank_exit needs code=N (e.g. code=16)")
+    given = {p.partition("=")[0].strip() for p in rest.split(",") if p.strip()}
+    if plan.fault_type == "rank_exit":
+        if "code" not in given:
+            raise ConfigError("--ft-simulated-fault: rank_exit needs code=N (e.g. code=16)")
+        if not 1 <= plan.code <= 255:
+            raise ConfigError(f"--ft-simulated-fault: code={plan.code} is not an exit code "
+                              "that signals a failure (1-255)")
+    elif "code" in given:
+        raise ConfigError(f"--ft-simulated-fault: code= applies to rank_exit only, not to "
+                          f"{plan.fault_type}")
     return plan
+
+
+def validate_world(plan: FaultPlan, world_size: int) -> None:
+    """Reject a victim rank outside a world of ``world_size`` ranks (before any cycle runs)."""
+    if plan.rank is not None and plan.rank >= world_size:
+        raise ConfigError(
+            f"--ft-simulated-fault: rank={plan.rank} but the world has {world_size} ranks"
+        )
 
 
 def arm(plan: FaultPlan, cycle: int, world_size: int, run_id: str) -> ArmedFault | None:
@@ -112,11 +129,8 @@ def arm(plan: FaultPlan, cycle: int, world_size: int, run_id: str) -> ArmedFault
     if not plan.fires_in(cycle):
         return None
     rng = random.Random(f"{plan.seed if plan.seed is not None else run_id}:{cycle}")
+    validate_world(plan, world_size)
     rank = plan.rank if plan.rank is not None else rng.randrange(world_size)
-    if rank >= world_size:
-        raise ConfigError(
-            f"--ft-simulated-fault: rank={rank} but the world has {world_size} ranks"
-        )
     fault_type = plan.fault_type
     if fault_type == "random":
         fault_type = rng.choice(("rank_killed", "rank_hung"))

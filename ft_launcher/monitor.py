@@ -33,6 +33,9 @@ log = logging.getLogger("ft_launcher")
 STACK_SIGNAL = signal.SIGUSR2
 AUTO_MIN_INTERVALS = 100
 AUTO_MIN_TIMEOUT_S = 300.0
+# A calculated timeout is never shorter than this: intervals of microseconds (sections back
+# to back) times any factor would turn scheduling noise into hang verdicts.
+MIN_CALCULATED_TIMEOUT_S = 1.0
 SAMPLES_KEPT = 20_000  # per rank and kind, for the interval statistics
 STATE_VERSION = 1
 
@@ -227,7 +230,8 @@ class Monitor:
             # Merged with earlier calculated values: a timeout only grows, so a slow
             # interval seen in an earlier cycle is never forgotten.
             if value is not None:
-                into[key] = round(max(factor * value, into.get(key) or 0.0), 6)
+                new = max(factor * value, MIN_CALCULATED_TIMEOUT_S)
+                into[key] = round(max(new, into.get(key) or 0.0), 6)
 
         if what == "hb":
             hb = longest(HB)

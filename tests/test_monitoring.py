@@ -1,0 +1,173 @@
+"""Hang detection, stack capture, sections and learned timeouts, end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+from conftest import (
+    EXAMPLES,
+    ROOT,
+    SCRIPTS,
+    events,
+    launcher_cmd,
+    named,
+    run_launcher,
+    summary,
+    wait_for,
+)
+
+pytestmark = pytest.mark.timeout(180)
+CASES = str(SCRIPTS / "monitor_cases.py")
+
+
+def _stack(run_dir, rank, cycle=0) -> str:
+    return (run_dir / "stacks" / f"cycle_{cycle}_rank_{rank}.txt").read_text()
+
+
+def test_sigstopped_rank_is_detected_dumped_killed_and_job_finishes(run_dir):
+    proc = subprocess.Popen(
+        launcher_cmd(run_dir, "--nproc-per-node", "2", "--max-restarts", "1",
+                     "--ft-rank-heartbeat-timeout", "1.5", str(EXAMPLES / "train_ddp.py"),
+                     "--steps", "40", "--step-time", "0.03", "--ckpt-every", "5"),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    try:
+        # Heartbeats have begun once the first checkpoint is written.
+        wait_for((run_dir / "ckpt" / "iteration").exists, 60, "the first steps")
+        pid = named(events(run_dir), "workers_started")[0]["pids"][1]
+        t_stop = time.time()
+        os.kill(pid, signal.SIGSTOP)
+        out, _ = proc.communicate(timeout=90)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out
+    evs = events(run_dir)
+    hang = named(evs, "hang_detected")[0]
+    assert hang["timeout_kind"] == "heartbeat" and hang["timeout_s"] == 1.5
+    # Deadline-driven: the verdict lands right after the timeout, not at a poll tick.
+    assert 1.5 <= hang["silence_s"] < 1.6
+    assert hang["ts"] - t_stop < 1.5 + 0.5
+    killed = named(evs, "rank_killed")[0]
+    assert killed["pid"] == pid and killed["signal"] == "SIGKILL"
+    dumped = named(evs, "stacks_dumped")[0]["ranks"]
+    assert 0 in dumped
+    if 1 in dumped:  # py-spy (a test extra) reads a stopped process's stack
+        assert "train_ddp.py" in _stack(run_dir, 1)
+    assert summary(run_dir)["restarts"] == 1
+
+
+def test_python_sleep_hang_stack_names_the_function(run_dir):
+    res = run_launcher(run_dir, "--nproc-per-node", "2", "--max-restarts", "1",
+                       "--ft-rank-heartbeat-timeout", "1.5", str(EXAMPLES / "train_ddp.py"),
+                       "--steps", "30", "--step-time", "0.02", "--hang-at-step", "5")
+    assert res.returncode == 0, res.stdout
+    hang = named(events(run_dir), "hang_detected")[0]
+    assert hang["cycle"] == 0
+    stacks = _stack(run_dir, 1)
+    assert "in hang_forever" in stacks  # faulthandler, armed by the agent
+    # The other rank is blocked in the collective that waits for the hung one.
+    assert "hang_forever" not in _stack(run_dir, 0)
+    assert named(events(run_dir), "restart")
+
+
+def test_hang_before_first_heartbeat_is_caught_by_initial_timeout(run_dir):
+    res = run_launcher(run_dir, "--nproc-per-node", "2", "--max-restarts", "1",
+                       "--ft-initial-rank-heartbeat-timeout", "4", CASES, "sleep_before_init")
+    assert res.returncode == 0, res.stdout
+    hang = named(events(run_dir), "hang_detected")[0]
+    assert hang["rank"] == 1 and hang["timeout_kind"] == "initial"
+    assert 4.0 <= hang["silence_s"] < 4.2  # counted from spawn, not from connecting
+    missing = named(events(run_dir), "stacks_dumped")[0]
+    if 1 in missing["ranks"]:  # py-spy reads a rank that never connected
+        assert "stuck_in_imports" in _stack(run_dir, 1)
+
+
+def test_section_overrun_is_caught_while_other_sections_are_fine(run_dir):
+    res = run_launcher(run_dir, "--nproc-per-node", "2", "--max-restarts", "1",
+                       "--ft-rank-section-timeouts", "fast:5,slow:1.5", CASES, "section_overrun")
+    assert res.returncode == 0, res.stdout
+    hangs = named(events(run_dir), "hang_detected")
+    assert len(hangs) == 1
+    assert hangs[0]["rank"] == 0 and hangs[0]["timeout_kind"] == "section:slow"
+    assert "slow_section_work" in _stack(run_dir, 0)
+
+
+def test_calculated_timeouts_survive_a_restart_and_a_new_job(tmp_path, run_dir):
+    state = tmp_path / "shared_state.json"
+    res = run_launcher(run_dir, "--nproc-per-node", "2", "--max-restarts", "1",
+                       "--ft-state-path", str(state), "--ft-safety-factor", "4", CASES, "calc")
+    assert res.returncode == 0, res.stdout
+    saved = json.loads(state.read_text())["calculated"]
+    hb = saved["rank_heartbeat_timeout"]
+    assert 4 * 0.03 <= hb < 4 * 1.0
+    # Sections and out-of-section gaps last milliseconds: the 1 s floor applies.
+    assert saved["rank_section_timeouts"]["step"] == 1.0
+    assert saved["rank_out_of_section_timeout"] == 1.0
+    assert saved["initial_rank_heartbeat_timeout"] > 0
+    # Cycle 1 starts with what cycle 0 calculated.
+    at_hello = json.loads((run_dir / "hello_timeouts_cycle_1_rank_0.json").read_text())
+    assert at_hello["rank_heartbeat_timeout"] >= hb * 0.999
+    # A later job pointed at the same state file starts with them too.
+    run2 = tmp_path / "run2"
+    res = run_launcher(run2, "--nproc-per-node", "1", "--ft-state-path", str(state), CASES,
+                       "plain")
+    assert res.returncode == 0, res.stdout
+    at_hello = json.loads((run2 / "hello_timeouts_cycle_0_rank_0.json").read_text())
+    assert at_hello["rank_heartbeat_timeout"] >= hb * 0.999
+    assert at_hello["rank_section_timeouts"]["step"] == saved["rank_section_timeouts"]["step"]
+
+
+def test_malformed_and_unauthenticated_messages_change_nothing(run_dir):
+    res = run_launcher(run_dir, "--nproc-per-node", "2", "--ft-rank-heartbeat-timeout", "2",
+                       CASES, "bad_messages")
+    assert res.returncode == 0, res.stdout
+    s = summary(run_dir)
+    errors = s["protocol_errors"]
+    assert errors["malformed"] >= 2 * 7 and errors["unauthenticated"] >= 2
+    assert errors["rejected_hello"] == 2 and errors["close_unopened"] == 2
+    assert errors["unknown_section:unconfigured"] == 2
+    reply = json.loads((run_dir / "bad_hello_reply_cycle_0_rank_0.json").read_text())
+    assert reply["ok"] is False and reply["error"] == "wrong token"
+    assert not named(events(run_dir), "hang_detected") and s["restarts"] == 0
+    assert res.stdout.count("monitor ignored a message") == len(errors)  # logged once each
+
+
+def test_no_false_verdict_in_a_long_clean_run(run_dir):
+    res = run_launcher(run_dir, "--nproc-per-node", "2", "--ft-rank-heartbeat-timeout", "1",
+                       "--ft-rank-section-timeouts", "step:1", "--ft-rank-out-of-section-timeout",
+                       "1", "--ft-initial-rank-heartbeat-timeout", "30", CASES, "clean_long")
+    assert res.returncode == 0, res.stdout
+    assert not named(events(run_dir), "hang_detected")
+    stats = {(e["rank"], e["kind"]): e for e in named(events(run_dir), "interval_stats")}
+    assert stats[(0, "heartbeat")]["count"] == 149
+    assert stats[(1, "section:step")]["count"] == 150
+
+
+def test_ft_report_shows_intervals_and_cycles(run_dir):
+    res = run_launcher(run_dir, "--nproc-per-node", "2", "--max-restarts", "1",
+                       "--ft-rank-heartbeat-timeout", "1.5",
+                       "--ft-simulated-fault", "rank_hung:base_delay=1,rank=1",
+                       CASES, "clean_long")
+    assert res.returncode == 0, res.stdout
+    report = subprocess.run(["ft_report", str(run_dir), "--json"], capture_output=True,
+                            text=True, timeout=30)
+    assert report.returncode == 0, report.stderr
+    data = json.loads(report.stdout)
+    hb = [r for r in data["intervals"] if r["kind"] == "heartbeat" and r["cycle"] == 1]
+    assert {r["rank"] for r in hb} == {0, 1}
+    assert all(r["timeout_in_force"] == 1.5 and r["min"] <= r["p50"] <= r["max"] for r in hb)
+    c0 = data["cycles"][0]
+    assert any("injected rank_hung rank 1" in f for f in c0["faults"])
+    # The last heartbeat came just before the fault: detection is at most the timeout.
+    assert 1.4 <= c0["detection_s"] < 2 and 0 <= c0["restart_s"] < 2
+    text = subprocess.run(["ft_report", str(run_dir)], capture_output=True, text=True,
+                          timeout=30)
+    assert "heartbeat" in text.stdout and "cycle 0:" in text.stdout
+    bad = subprocess.run(["ft_report", str(run_dir / "nope")], capture_output=True, text=True,
+                         timeout=30)
+    assert bad.returncode != 0 and "no events.jsonl" in bad.stderr
+    assert "Traceback" not in bad.stderr
