@@ -12,7 +12,7 @@ import time
 
 import psutil
 import pytest
-from conftest import (
+from launch_helpers import (
     EXAMPLES,
     ROOT,
     SCRIPTS,

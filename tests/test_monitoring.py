@@ -9,7 +9,7 @@ import subprocess
 import time
 
 import pytest
-from conftest import (
+from launch_helpers import (
     EXAMPLES,
     ROOT,
     SCRIPTS,

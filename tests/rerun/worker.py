@@ -181,6 +181,8 @@ def main() -> int:
     result = {"rank": rank, "events": events, "result": result}
     with open(args.out, "w") as f:
         json.dump(result, f)  # also proves the events are JSON-serialisable
+    # Leave together: a gloo peer torn down while the other still talks aborts it.
+    dist.barrier()
     dist.destroy_process_group()
     return exit_code
 

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from rerun_test_support import clean_rerun_globals  # noqa: F401
 
 from rerun import RerunStateMachine
 

@@ -1,0 +1,135 @@
+"""DDP training on CPU whose loss is validated by the rerun state machine.
+
+Injects silent data corruption (a NaN loss) to show the whole flow under ft_launcher:
+
+    ft_launcher --nproc-per-node 2 --max-restarts 2 examples/train_rerun.py --fault device
+
+--fault device     NaN whenever --fault-rank runs on device --fault-device (a faulty device):
+                   re-run in place reproduces it -> exit 16 -> the launcher rotates devices ->
+                   the re-run from the checkpoint differs -> PERSISTENT_ERROR -> exit 17.
+--fault data       NaN at --at on --fault-rank on any device (bad data): reproduced on the
+                   other device too -> CORRECT_RESULT -> exit 17 (skipped on restart with
+                   ft_launcher --ft-skip-bad-iterations).
+--fault transient  NaN once: the re-run in place differs -> TRANSIENT_ERROR -> exit 17 ->
+                   the launcher restarts in place and training goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ft_agent import get_client
+from ft_agent.rerun_host import default_tracker_file, setup_rerun_state_machine
+from rerun import RerunDataIterator, RerunStateMachine
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--at", type=int, default=5, help="step (1-based) of the injected NaN")
+    p.add_argument("--fault", choices=["none", "device", "data", "transient"], default="none")
+    p.add_argument("--fault-rank", type=int, default=1)
+    p.add_argument("--fault-device", default="1")
+    p.add_argument("--ckpt-every", type=int, default=2)
+    return p.parse_args()
+
+
+def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step * 1000 + rank)
+    x = torch.randn(16, 8, generator=g)
+    return x, x.sum(dim=1, keepdim=True)
+
+
+def main() -> None:
+    args = parse_args()
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cycle = int(os.environ.get("FT_CYCLE", "0"))
+    device = os.environ.get("FT_DEVICE_ID", "0")
+    ckpt_dir = Path(os.environ.get("FT_RUN_DIR", ".")) / "ckpt_rerun"
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    ckpt = ckpt_dir / f"rank_{rank}.pt"
+
+    machine = setup_rerun_state_machine("validate_results")
+    if world > 1:
+        dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    start = 0
+    if ckpt.exists():
+        state = torch.load(ckpt, weights_only=False)  # our own file: plain data and tensors
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        start = state["step"]
+        if machine.validate_state_dict(state["rerun"]):
+            machine.load_state_dict(state["rerun"])
+    ddp = DistributedDataParallel(model) if world > 1 else model
+    data = RerunDataIterator(batch(s, rank) for s in itertools.count(start + 1))
+    tracker = default_tracker_file()
+    skip = set()
+    if tracker and Path(tracker).exists():
+        skip = set(RerunStateMachine.get_skipped_iterations_from_tracker_file(tracker))
+    first_try: set[int] = set()
+
+    def corrupt(step: int) -> bool:
+        if rank != args.fault_rank or step != args.at:
+            return False
+        if args.fault == "device":
+            return device == args.fault_device
+        if args.fault == "transient":
+            fresh = step not in first_try and cycle == 0
+            first_try.add(step)
+            return fresh
+        return args.fault == "data"
+
+    def save(step: int) -> None:
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
+                    "rerun": machine.state_dict(data, "torch")}, ckpt.with_suffix(".tmp"))
+        os.replace(ckpt.with_suffix(".tmp"), ckpt)
+
+    losses = {}
+    for step in range(start + 1, args.steps + 1):
+        while machine.should_run_forward_backward(data):
+            x, y = next(data)
+            if step in skip:
+                continue  # a skipped step only drains its data
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(ddp(x), y)
+            if corrupt(step):
+                loss = loss * float("nan")
+            machine.validate_result(loss, torch.isnan, "loss is NaN", fatal=True)
+            loss.backward()
+            losses[step] = loss.item()
+        save_now, stop, code = machine.should_checkpoint_and_exit()
+        if save_now:
+            save(step - 1)
+        if stop:
+            print(f"rank {rank} cycle {cycle} device {device}: exit {code} at step {step}",
+                  flush=True)
+            sys.exit(code)
+        if step not in skip:
+            opt.step()
+        if step % args.ckpt_every == 0:
+            save(step)
+        get_client().send_heartbeat()
+    if rank == 0:
+        (ckpt_dir / "result.json").write_text(json.dumps(
+            {"cycle": cycle, "skipped": sorted(skip), "last_step": args.steps,
+             "losses": losses}))
+    if world > 1:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""Helpers for tests that start real ft_launcher processes (imported by test modules)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+EXAMPLES = ROOT / "examples"
+LAUNCHER = [sys.executable, "-m", "ft_launcher.cli"]
+
+
+def launcher_cmd(run_dir: Path, *args: str) -> list[str]:
+    return [*LAUNCHER, "--ft-run-dir", str(run_dir), *args]
+
+
+def run_launcher(run_dir: Path, *args: str, timeout: float = 120,
+                 env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run ft_launcher to completion (bounded); stdout+stderr merged in .stdout."""
+    proc = subprocess.Popen(launcher_cmd(run_dir, *args), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                            env={**os.environ, **(env or {})})
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        pytest.fail(f"ft_launcher did not finish within {timeout} s:\n{out[-3000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, None)
+
+
+def events(run_dir: Path) -> list[dict]:
+    path = run_dir / "events.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def named(evs: list[dict], name: str) -> list[dict]:
+    return [e for e in evs if e["event"] == name]
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
+    """Poll until predicate() is truthy; fail the test naming ``what`` on timeout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    pytest.fail(f"timed out after {timeout} s waiting for {what}")
+
+
+def processes_of(run_dir: Path) -> list[psutil.Process]:
+    """Live processes started for this run dir (launcher: cmdline; workers: FT_RUN_DIR)."""
+    found = []
+    key = str(run_dir)
+    for p in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if p.info["status"] == psutil.STATUS_ZOMBIE:
+                continue
+            if any(key in part for part in (p.info["cmdline"] or [])) or \
+                    p.environ().get("FT_RUN_DIR", "").startswith(key):
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+

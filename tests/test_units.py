@@ -1,0 +1,203 @@
+"""Unit tests of the pure pieces: protocol, configuration, policy, fault plans, agent no-op."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from ft_agent import protocol
+from ft_launcher import faults, policy
+from ft_launcher.cli import build_ft_config
+from ft_launcher.config import ConfigError, load_yaml_section, parse_section_timeouts
+from ft_launcher.policy import CycleResult, JobState, Outcome
+
+# -- protocol ------------------------------------------------------------------------------
+
+
+def test_protocol_round_trip_and_heartbeat_frame():
+    frame = protocol.encode(protocol.HELLO, token="t", rank=1, local_rank=1, pid=5, host="h",
+                            cycle=0)
+    assert protocol.decode(frame)["rank"] == 1
+    assert protocol.decode(protocol.HEARTBEAT_FRAME) == {"v": protocol.VERSION, "k": "hb"}
+    assert b"pickle" not in frame and frame.startswith(b"{")
+
+
+@pytest.mark.parametrize(("frame", "error"), [
+    (b"\x80\x04\x95", "not JSON"),
+    (b"[]", "not a JSON object"),
+    (b'{"v": 2, "k": "hb"}', "protocol version"),
+    (b'{"v": 1, "k": "boom"}', "unknown message kind"),
+    (b'{"v": 1, "k": "sec_open"}', "field 'name'"),
+    (b'{"v": 1, "k": "hello", "token": "t", "rank": true, "local_rank": 0, "pid": 1, '
+     b'"host": "h", "cycle": 0}', "field 'rank'"),
+    (b"{" + b" " * protocol.MAX_FRAME_BYTES + b"}", "exceeds"),
+])
+def test_protocol_rejects_malformed_frames(frame, error):
+    with pytest.raises(protocol.ProtocolError, match=error):
+        protocol.decode(frame)
+
+
+# -- configuration -------------------------------------------------------------------------
+
+
+def test_yaml_then_command_line_precedence(tmp_path):
+    cfg = tmp_path / "ft.yaml"
+    cfg.write_text("fault_tolerance:\n  rank_heartbeat_timeout: 30\n"
+                   "  rank_section_timeouts: {step: 10, ckpt: none}\n"
+                   "  rank_termination_signal: SIGTERM\n  safety_factor: 3\n")
+    ft = build_ft_config(str(cfg), {"rank_heartbeat_timeout": "7", "safety_factor": None})
+    assert ft.rank_heartbeat_timeout == 7.0  # the flag beats the file
+    assert ft.safety_factor == 3.0  # an unset flag does not beat the file
+    assert ft.rank_section_timeouts == {"step": 10.0, "ckpt": None}
+    assert ft.rank_termination_signal == signal.SIGTERM
+    assert build_ft_config(None, {}).rank_heartbeat_timeout is None
+
+
+@pytest.mark.parametrize(("text", "error"), [
+    ("fault_tolerance:\n  safety_factr: 2\n", "did you mean 'safety_factor'"),
+    ("fault_tolerance:\n  rank_heartbeat_timeout: soon\n", "rank_heartbeat_timeout"),
+    ("fault_tolerance:\n  rank_termination_signal: SIGNOPE\n", "unknown signal"),
+    ("faults:\n  x: 1\n", "unknown top-level key"),
+    ("fault_tolerance: [1, 2]\n", "must be a mapping"),
+    ("fault_tolerance:\n  a: [\n", "not valid YAML"),
+])
+def test_yaml_errors_name_the_key(tmp_path, text, error):
+    cfg = tmp_path / "ft.yaml"
+    cfg.write_text(text)
+    with pytest.raises(ConfigError, match=error):
+        load_yaml_section(str(cfg))
+
+
+def test_section_timeouts_option_syntax():
+    assert parse_section_timeouts("x", "a:1.5, b:none") == {"a": 1.5, "b": None}
+    with pytest.raises(ConfigError, match="name:seconds"):
+        parse_section_timeouts("--ft-rank-section-timeouts", "a=1")
+
+
+# -- fault plans -----------------------------------------------------------------------------
+
+
+def test_fault_plan_parsing_and_agreement():
+    plan = faults.parse_fault("random:base_delay=2,rand_delay=1,cycles=0-2,seed=7")
+    assert plan.cycles == range(0, 3) and plan.fires_in(2) and not plan.fires_in(3)
+    a, b = faults.arm(plan, 1, 4, "run"), faults.arm(plan, 1, 4, "run")
+    assert (a.rank, a.fault_type) == (b.rank, b.fault_type)  # every node agrees
+    assert a.fault_type in ("rank_killed", "rank_hung")
+    assert faults.arm(plan, 5, 4, "run") is None
+    assert faults.parse_fault("rank_exit:code=16").code == 16
+    for bad, error in [("rank_exit", "needs code"), ("rank_killed:delay=1", "unknown key"),
+                       ("rank_killed:cycles=3-1", "empty range"),
+                       ("rank_killed:base_delay=-1", "base_delay")]:
+        with pytest.raises(ConfigError, match=error):
+            faults.parse_fault(bad)
+
+
+# -- policy ----------------------------------------------------------------------------------
+
+
+def _job(**kw) -> JobState:
+    return JobState(**{"max_restarts": 2, "num_devices": 2, "nproc": 2, "host": "n1", **kw})
+
+
+def _failed(code, diagnoses=()):
+    return CycleResult(0, Outcome.FAILED, failures=[{"rank": 0, "exit_code": code}],
+                       diagnoses=list(diagnoses))
+
+
+def test_policy_plain_failures_count_against_max_restarts():
+    job = _job(max_restarts=1)
+    d = policy.decide(_failed(3), job)
+    assert d.restart
+    policy.apply(d, job)
+    d = policy.decide(_failed(3), job)
+    assert (d.restart, d.exit_code, d.next_action.requeue) == (False, 1, True)
+
+
+def test_policy_exit_16_rotates_devices_then_asks_for_another_node():
+    job = _job()
+    d = policy.decide(_failed(16), job)
+    assert d.restart and d.rotate
+    policy.apply(d, job)
+    assert job.device_map() == [1, 0]
+    d = policy.decide(_failed(16), job)
+    assert d.exit_code == 16 and d.next_action.exclude_nodes == ["n1"]
+    one_device = _job(num_devices=1, nproc=1)
+    assert policy.decide(_failed(16), one_device).exit_code == 16
+
+
+@pytest.mark.parametrize(("diagnostic", "skip", "expected"), [
+    ("TRANSIENT_ERROR", False, ("restart", None)),
+    ("PERSISTENT_ERROR", False, ("exit", 17, True, ["n1"])),
+    ("CORRECT_RESULT", False, ("exit", 17, False, [])),
+    ("CORRECT_RESULT", True, ("restart", None)),
+    (None, False, ("exit", 17, False, [])),
+])
+def test_policy_exit_17_follows_the_diagnosis(diagnostic, skip, expected):
+    diagnoses = [{"rank": 0, "state": "X", "diagnostic": diagnostic, "iteration": 9,
+                  "suspicious_device": "0"}] if diagnostic else []
+    d = policy.decide(_failed(17, diagnoses), _job(skip_bad_iterations=skip))
+    if expected[0] == "restart":
+        assert d.restart
+    else:
+        na = d.next_action
+        assert (d.exit_code, na.requeue, na.exclude_nodes) == expected[1:]
+
+
+def test_policy_persistent_error_moves_off_the_bad_device_when_a_spare_exists():
+    job = _job(num_devices=3, nproc=2)
+    diag = [{"diagnostic": "PERSISTENT_ERROR", "iteration": 4, "suspicious_device": "1"}]
+    d = policy.decide(_failed(17, diag), job)
+    assert d.restart and d.exclude_device == 1
+    policy.apply(d, job)
+    assert 1 not in job.device_map()
+
+
+def test_policy_no_progress_stops_with_18():
+    job = _job(max_restarts=10, max_no_progress_cycles=2)
+    for expected in (True, True, False):
+        result = _failed(3)
+        result.progress_iteration = 100
+        d = policy.decide(result, job)
+        assert d.restart is expected
+        policy.apply(d, job)
+    assert d.exit_code == 18
+
+
+def test_policy_success_signal_and_control():
+    assert policy.decide(CycleResult(0, Outcome.SUCCEEDED), _job()).exit_code == 0
+    d = policy.decide(CycleResult(0, Outcome.SIGNALED, signum=signal.SIGTERM), _job())
+    assert d.exit_code == 143 and d.next_action.requeue
+    d = policy.decide(CycleResult(0, Outcome.CONTROL, control="exclude_node"), _job())
+    assert d.next_action.exclude_nodes == ["n1"]
+    d = policy.decide(CycleResult(0, Outcome.PEER_CHANGED), _job(max_restarts=0))
+    assert d.restart and not d.counted
+
+
+# -- agent -----------------------------------------------------------------------------------
+
+
+def test_agent_import_is_light_and_a_no_op_without_launcher():
+    code = (
+        "import sys, warnings\n"
+        "warnings.simplefilter('error')\n"
+        "import ft_agent\n"
+        "assert not {'torch', 'zmq', 'click'} & set(sys.modules), sorted(sys.modules)\n"
+        "c = ft_agent.RankMonitorClient()\n"
+        "try:\n"
+        "    c.init_workload_monitoring()\n"
+        "except RuntimeWarning as w:\n"
+        "    print('WARN', w)\n"
+        "c.send_heartbeat(); c.start_section('x'); c.end_section('x')\n"
+        "assert c.calculate_and_set_hb_timeouts() is False\n"
+        "print(c.state_dict())\n"
+    )
+    env = {"PATH": "/usr/bin:/bin"}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, env=env)
+    assert res.returncode == 0, res.stderr
+    assert "WARN ft_agent: FT_ENDPOINT is not set" in res.stdout
+    assert json.loads(res.stdout.splitlines()[-1].replace("'", '"')) == {"timeouts": {}}
