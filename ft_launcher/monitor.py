@@ -13,6 +13,7 @@ state file) beats the configured one. A heartbeat timeout left unset is learned:
 from __future__ import annotations
 
 import hmac
+import json
 import logging
 import os
 import random
@@ -333,10 +334,12 @@ class Monitor:
             r.sections.clear()
         elif kind == protocol.CALCULATE:
             ok, error = self._calculate(msg["what"], msg)
-            self._reply(identity, protocol.ACK, req=msg["req"], ok=ok, error=error)
+            self._reply(identity, protocol.ACK, req=msg["req"], ok=ok, error=error,
+                        timeouts=self.timeouts_in_force())
         elif kind == protocol.SET_TIMEOUTS:
             ok, error = self._set_timeouts(msg["timeouts"])
-            self._reply(identity, protocol.ACK, req=msg["req"], ok=ok, error=error)
+            self._reply(identity, protocol.ACK, req=msg["req"], ok=ok, error=error,
+                        timeouts=self.timeouts_in_force())
         elif kind == protocol.CONTROL:
             if msg["action"] not in protocol.CONTROL_ACTIONS:
                 self._count("malformed", f"unknown control action {msg['action']!r}")
@@ -349,11 +352,24 @@ class Monitor:
             self.events("diagnosis", **{"rank": r.rank, **fields})
         elif kind == protocol.REPORT:
             self.events("rank_report", rank=r.rank, what=msg["what"], message=msg["message"])
+            if msg["what"] == "simulated_fault":
+                self._agent_fault(r, msg["message"])
         elif kind == protocol.GOODBYE:
             r.active = False
             self.events("rank_goodbye", rank=r.rank)
         else:
             self._count("unexpected", f"{kind} is not a message a rank sends")
+
+    def _agent_fault(self, r: RankState, message: str) -> None:
+        # A fault the rank inflicts on itself (the Lightning callback) is recorded like one
+        # the launcher delivers, so ft_report pairs it with its detection and restart.
+        try:
+            fault = json.loads(message)
+            fields = {"fault_type": str(fault["fault_type"]), "at": float(fault["at"])}
+        except (ValueError, KeyError, TypeError):
+            self._count("malformed", f"simulated_fault report {message[:80]!r}")
+            return
+        self.events("fault_injected", rank=r.rank, pid=r.pid, source="agent", **fields)
 
     def _hello(self, identity: bytes, msg: dict[str, Any], t: float) -> None:
         error = None
@@ -373,6 +389,7 @@ class Monitor:
             self.by_identity.pop(r.identity, None)
         r.identity = identity
         r.pid = msg["pid"]
+        r.active = True  # a rank may say goodbye and connect again (a second fit())
         self.by_identity[identity] = r
         assert self.private_dir is not None
         r.stack_file = self.private_dir / f"stack_c{self.cycle}_r{r.rank}.raw"
@@ -467,8 +484,6 @@ class Monitor:
     def _load_state(self) -> dict[str, Any]:
         empty = {"version": STATE_VERSION, "observed": {}, "calculated": {}}
         try:
-            import json
-
             state = json.loads(self.state_path.read_text())
         except FileNotFoundError:
             return empty

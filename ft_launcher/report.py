@@ -160,3 +160,7 @@ def cli(run_dir: Path, as_json: bool) -> None:
 def main() -> None:
     """Console-script entry point."""
     cli()
+
+
+if __name__ == "__main__":
+    main()
