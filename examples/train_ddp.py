@@ -8,6 +8,9 @@ Every rank sends a heartbeat per step through ft_agent (a no-op outside ft_launc
 Rank 0 writes a checkpoint every --ckpt-every steps; after a restart every rank resumes
 from it, so a crash loses at most --ckpt-every steps. The data of step N is generated from
 a seed and N, so a resumed run computes exactly what an uninterrupted one would.
+
+SIGUSR1 (Slurm's ``--signal=B:USR1@N`` before a time limit, passed on by ft_launcher) makes
+every rank stop at the same step, checkpoint and exit 0, so the job can be requeued.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -63,6 +67,10 @@ def main() -> None:
     ckpt_dir = Path(args.ckpt_dir or Path(os.environ.get("FT_RUN_DIR", ".")) / "ckpt")
     ckpt_path = ckpt_dir / "ckpt.pt"
 
+    stop_requested = []
+    # Installed first: SIGUSR1's default action would kill the rank.
+    signal.signal(signal.SIGUSR1, lambda *_: stop_requested.append(True))
+
     ft = RankMonitorClient()
     ft.init_workload_monitoring()
     if world > 1:
@@ -98,16 +106,30 @@ def main() -> None:
             ft.end_section("step")
         ft.send_heartbeat()
         print(f"rank {rank} cycle {cycle} step {step} loss {loss.item():.6f}", flush=True)
-        if step % args.ckpt_every == 0 or step == args.steps:
+        stop = should_stop(bool(stop_requested), world)
+        if step % args.ckpt_every == 0 or step == args.steps or stop:
             save_checkpoint(rank, step, model, opt, ckpt_dir, ckpt_path)
             if world > 1:
                 dist.barrier()
-    if rank == 0:
-        result = {"steps": args.steps, "final_loss": round(loss.item(), 6), "cycle": cycle}
-        (ckpt_dir / "result.json").write_text(json.dumps(result))
+        if stop:
+            print(f"rank {rank} cycle {cycle}: SIGUSR1, checkpointed step {step}", flush=True)
+            break
+    else:
+        if rank == 0:
+            result = {"steps": args.steps, "final_loss": round(loss.item(), 6), "cycle": cycle}
+            (ckpt_dir / "result.json").write_text(json.dumps(result))
     ft.shutdown_workload_monitoring()
     if world > 1:
         dist.destroy_process_group()
+
+
+def should_stop(requested: bool, world: int) -> bool:
+    """True on every rank once any rank got SIGUSR1, so all stop at the same step."""
+    if world == 1:
+        return requested
+    flag = torch.tensor([1.0 if requested else 0.0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def save_checkpoint(rank: int, step: int, model: nn.Module, opt: torch.optim.Optimizer,

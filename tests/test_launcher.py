@@ -262,3 +262,23 @@ def test_bad_input_is_one_clear_error(tmp_path):
     assert "--ft-rank-heartbeat-timeout: must be positive" in err
     for res_err in (err,):
         assert len(res_err.strip().splitlines()) == 1
+
+
+def test_sigusr1_is_passed_to_workers_which_checkpoint_and_exit(run_dir):
+    """Slurm's --signal=B:USR1@N: the job goes on, the training checkpoints and stops."""
+    proc = subprocess.Popen(
+        launcher_cmd(run_dir, "--nproc-per-node", "2", str(EXAMPLES / "train_ddp.py"),
+                     "--steps", "100000", "--ckpt-every", "1000", "--step-time", "0.01"),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    try:
+        log = run_dir / "logs" / "cycle_0" / "rank_1.log"
+        wait_for(lambda: log.exists() and " step 20 " in log.read_text(), 60, "training")
+        proc.send_signal(signal.SIGUSR1)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    assert named(events(run_dir), "signal_forwarded")[0]["signal"] == "SIGUSR1"
+    step = int((run_dir / "ckpt" / "iteration").read_text())
+    assert 20 <= step < 100000
+    assert f"SIGUSR1, checkpointed step {step}" in log.read_text()

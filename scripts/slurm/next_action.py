@@ -1,0 +1,290 @@
+#!/usr/bin/env python3
+"""Decide what a Slurm job does after ft_launcher exited: finish, requeue, or stop.
+
+Called by ``ft_sbatch.sh`` once per run of the batch script. It reads each node's
+``summary.json`` and prints the decision as ``key=value`` lines on stdout (``action``,
+``exit_code``, ``exclude``, ``why``) for the wrapper to act on. It never talks to Slurm
+itself, so the whole table below can be tested without a cluster.
+
+| what happened | action |
+|-------------------------------------------------------|-------------------------------|
+| the wrapper got SIGTERM (scancel, time limit, ...) | stop: Slurm owns the job now |
+| every launcher exited 0, training finished | finished |
+| exit 0 but FAULT_TOL_FINISHED_FLAG_FILE is missing | requeue (not finished yet) |
+| exit 0 after USR1 and no finished flag | requeue (checkpointed, time up)|
+| a summary says ``requeue: false`` | stop, print its ``why`` |
+| a node left no summary.json (the launcher crashed) | requeue |
+| USR1 came before the launcher started | requeue |
+| otherwise (every summary says ``requeue: true``) | requeue, excluding its nodes |
+
+A requeue becomes a stop when the resubmission budget is spent (``SLURM_RESTART_COUNT``
+has reached ``--max-resubmissions``) or when the exclusions would leave fewer nodes in the
+partition than the job needs.
+
+The launcher writes ``socket.gethostname()`` into ``next_action.exclude_nodes``. On a real
+cluster that is the Slurm node name; where several slurmd share one host (a test cluster)
+it is not. So an entry that names the host of the summary's own node is mapped to that
+node's Slurm name (the name its run directory is filed under).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+FINISHED = "finished"
+REQUEUE = "requeue"
+STOP = "stop"
+
+
+class UsageError(Exception):
+    """A wrong argument: reported as one line, exit status 2."""
+
+
+@dataclass
+class NodeResult:
+    """One node's launcher outcome, read from its summary.json (None when missing)."""
+
+    node: str
+    path: Path
+    summary: dict[str, Any] | None
+    problem: str = ""
+
+
+@dataclass
+class Inputs:
+    """Everything the decision depends on."""
+
+    launcher_exit: int
+    nodes: list[NodeResult]
+    restart_count: int = 0
+    max_resubmissions: int = 3
+    excluded: list[str] = field(default_factory=list)
+    partition_nodes: list[str] = field(default_factory=list)
+    nnodes: int = 1
+    got_usr1: bool = False
+    got_term: bool = False
+    not_started: bool = False
+    finished_flag_file: str = ""
+
+
+@dataclass
+class Decision:
+    """What the wrapper does next; ``exclude`` is the job's whole new ExcNodeList."""
+
+    action: str
+    exit_code: int
+    why: str
+    exclude: list[str] = field(default_factory=list)
+
+
+def read_summary(node: str, path: Path) -> NodeResult:
+    """Load one node's summary.json; a missing or broken file is recorded, not raised."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return NodeResult(node, path, None, f"no {path} (the launcher on {node} crashed?)")
+    except (OSError, ValueError) as exc:
+        return NodeResult(node, path, None, f"unreadable {path}: {exc}")
+    if not isinstance(data, dict) or not isinstance(data.get("next_action"), dict):
+        return NodeResult(node, path, None, f"{path} has no next_action")
+    return NodeResult(node, path, data)
+
+
+def slurm_names(result: NodeResult, known_nodes: list[str], host_to_node: dict[str, str]
+                ) -> tuple[list[str], list[str]]:
+    """Map a summary's exclude_nodes to Slurm node names; returns (names, unmapped)."""
+    assert result.summary is not None
+    own_host = result.summary.get("host")
+    names: list[str] = []
+    unmapped: list[str] = []
+    for entry in result.summary["next_action"].get("exclude_nodes") or []:
+        if entry in (own_host, result.node):
+            names.append(result.node)  # the usual case: the launcher names its own host
+        elif entry in known_nodes:
+            names.append(entry)
+        elif entry in host_to_node:
+            names.append(host_to_node[entry])
+        else:
+            unmapped.append(str(entry))
+    return names, unmapped
+
+
+def _host_map(nodes: list[NodeResult]) -> dict[str, str]:
+    """host -> Slurm node for hosts that run exactly one of this job's nodes."""
+    seen: dict[str, list[str]] = {}
+    for r in nodes:
+        if r.summary is not None and r.summary.get("host"):
+            seen.setdefault(str(r.summary["host"]), []).append(r.node)
+    return {host: ns[0] for host, ns in seen.items() if len(ns) == 1}
+
+
+def _finished(inp: Inputs) -> tuple[bool, str]:
+    """Whether a run that exited 0 everywhere means the training is done, and why."""
+    flag = inp.finished_flag_file
+    if flag:
+        if Path(flag).exists():
+            return True, f"training finished (exit 0, {flag} exists)"
+        return False, f"exit 0 but the finished flag file {flag} does not exist: not finished"
+    if inp.got_usr1:
+        return False, "exit 0 after USR1: the training checkpointed before the time limit"
+    return True, "training finished (every launcher exited 0)"
+
+
+def _exit_zero(inp: Inputs) -> bool:
+    if inp.launcher_exit != 0:
+        return False
+    return all(r.summary is not None and r.summary.get("exit_code") == 0 for r in inp.nodes)
+
+
+def decide(inp: Inputs) -> Decision:
+    """The decision for one run of the batch script (see the module table)."""
+    if inp.got_term:
+        return Decision(STOP, inp.launcher_exit, "the job got SIGTERM (scancel, time limit or "
+                        "a Slurm requeue): nothing to do, Slurm decides")
+    if inp.not_started:
+        return _requeue_or_stop(inp, 1, "USR1 (time limit near) came before the launcher "
+                                "started", [])
+    if _exit_zero(inp):
+        done, why = _finished(inp)
+        if done:
+            return Decision(FINISHED, 0, why)
+        # not finished: exit 1 if the budget stops it, so the job does not look successful
+        return _requeue_or_stop(inp, 1, why, [])
+    return _after_failure(inp)
+
+
+def _after_failure(inp: Inputs) -> Decision:
+    """Some launcher failed: stop if one says so, else requeue without its bad nodes."""
+    code = 0  # the first failing node's own code; srun's status says less (e.g. 143)
+    known = sorted(set(inp.partition_nodes) | set(inp.excluded) | {r.node for r in inp.nodes})
+    hosts = _host_map(inp.nodes)
+    reasons: list[str] = []
+    new_excludes: list[str] = []
+    for r in inp.nodes:
+        if r.summary is None:
+            reasons.append(r.problem)
+            continue
+        action = r.summary["next_action"]
+        node_code = _int(r.summary.get("exit_code"), inp.launcher_exit)
+        if node_code == 0:
+            continue  # this node was fine; another one failed
+        why = action.get("why") or f"exit {node_code}"
+        if not action.get("requeue", False):
+            return Decision(STOP, node_code, f"{r.node}: {_with_code(why, node_code)}; "
+                            "not requeued")
+        names, unmapped = slurm_names(r, known, hosts)
+        new_excludes += names
+        reasons.append(f"{r.node}: {_with_code(why, node_code)}")
+        if unmapped:
+            reasons.append(f"{r.node}: cannot map {','.join(unmapped)} to Slurm nodes, "
+                           "not excluded")
+        if code == 0:
+            code = node_code
+    code = code or inp.launcher_exit or 1
+    return _requeue_or_stop(inp, code, "; ".join(reasons) or f"launcher exit {code}",
+                            new_excludes)
+
+
+def _with_code(why: str, code: int) -> str:
+    return why if f"exit {code}" in why else f"{why} (exit {code})"
+
+
+def _int(value: Any, default: int) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return default
+
+
+def _requeue_or_stop(inp: Inputs, code: int, why: str, new_excludes: list[str]) -> Decision:
+    if inp.restart_count >= inp.max_resubmissions:
+        return Decision(STOP, code, f"{why}; resubmission budget spent ({inp.restart_count} of "
+                        f"{inp.max_resubmissions} requeues done); not requeued")
+    exclude = sorted(set(inp.excluded) | set(new_excludes))
+    if new_excludes and inp.partition_nodes:
+        left = sorted(set(inp.partition_nodes) - set(exclude))
+        if len(left) < inp.nnodes:
+            return Decision(STOP, code, f"{why}; excluding {','.join(exclude)} would leave "
+                            f"{len(left)} node(s) for a {inp.nnodes}-node job; not requeued")
+    added = sorted(set(new_excludes) - set(inp.excluded))
+    note = f" excluding {','.join(added)}" if added else ""
+    return Decision(REQUEUE, code, f"{why}; requeue {inp.restart_count + 1} of "
+                    f"{inp.max_resubmissions}{note}", exclude)
+
+
+def _csv(value: str) -> list[str]:
+    return [v for v in (s.strip() for s in value.split(",")) if v and v != "(null)"]
+
+
+def _non_negative(name: str, value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        number = -1
+    if number < 0:
+        raise UsageError(f"{name} must be a non-negative integer, got {value!r}")
+    return number
+
+
+def parse_args(argv: list[str]) -> Inputs:
+    """Build the inputs from the command line the wrapper passes."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--launcher-exit", required=True, help="ft_launcher's (or srun's) status")
+    p.add_argument("--summary", action="append", default=[], metavar="NODE=PATH",
+                   help="a node's summary.json (repeat per node)")
+    p.add_argument("--restart-count", default="", help="SLURM_RESTART_COUNT (empty = 0)")
+    p.add_argument("--max-resubmissions", default="3")
+    p.add_argument("--excluded", default="", help="the job's current ExcNodeList, expanded")
+    p.add_argument("--partition-nodes", default="", help="the partition's nodes, expanded")
+    p.add_argument("--nnodes", default="1")
+    p.add_argument("--got-usr1", action="store_true")
+    p.add_argument("--got-term", action="store_true")
+    p.add_argument("--not-started", action="store_true",
+                   help="USR1 came before the launch, so the launcher never ran")
+    p.add_argument("--finished-flag-file", default="")
+    a = p.parse_args(argv)
+    nodes = []
+    for item in a.summary:
+        node, sep, path = item.partition("=")
+        if not sep or not node or not path:
+            raise UsageError(f"--summary must be NODE=PATH, got {item!r}")
+        nodes.append(read_summary(node, Path(path)))
+    if not nodes and not a.not_started:
+        raise UsageError("--summary NODE=PATH is required at least once")
+    return Inputs(
+        launcher_exit=_non_negative("--launcher-exit", a.launcher_exit),
+        nodes=nodes,
+        restart_count=_non_negative("--restart-count", a.restart_count or "0"),
+        max_resubmissions=_non_negative("--max-resubmissions", a.max_resubmissions),
+        excluded=_csv(a.excluded),
+        partition_nodes=_csv(a.partition_nodes),
+        nnodes=max(1, _non_negative("--nnodes", a.nnodes)),
+        got_usr1=a.got_usr1,
+        got_term=a.got_term,
+        not_started=a.not_started,
+        finished_flag_file=a.finished_flag_file,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the decision as key=value lines; exit 2 on a usage error."""
+    try:
+        inp = parse_args(sys.argv[1:] if argv is None else argv)
+    except UsageError as exc:
+        print(f"next_action.py: {exc}", file=sys.stderr)
+        return 2
+    d = decide(inp)
+    print(f"action={d.action}")
+    print(f"exit_code={d.exit_code}")
+    print(f"exclude={','.join(d.exclude)}")
+    print(f"why={' '.join(d.why.split())}")  # one line, whatever the summary held
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

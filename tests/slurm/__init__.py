@@ -1,0 +1,1 @@
+"""Tests of scripts/slurm against a real Slurm 22.05."""
