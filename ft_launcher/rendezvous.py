@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -77,6 +78,9 @@ class StaticRendezvous:
     def num_nodes_waiting(self) -> int:
         return 0
 
+    def exit_barrier(self, timeout: float = 300.0) -> None:
+        pass
+
     def shutdown(self) -> None:
         pass
 
@@ -104,6 +108,7 @@ class C10dRendezvous:
 
         self.endpoint = endpoint
         self.fixed_port = fixed_port
+        self._round: tuple[object, int] | None = None  # (store, group world size)
         self.local_addr = reachable_address(endpoint)
         try:
             params = RendezvousParameters(
@@ -123,8 +128,11 @@ class C10dRendezvous:
         try:
             info = self.handler.next_rendezvous()
         except Exception as exc:  # torch raises many kinds here; all mean "no round"
-            raise RendezvousError(f"rendezvous at {self.endpoint} failed: {exc}") from None
+            raise RendezvousError(
+                f"rendezvous at {self.endpoint} failed: {type(exc).__name__} {exc}"
+            ) from None
         store = info.store  # prefixed per round by torch: no stale keys from a past round
+        self._round = (store, info.world_size)
         if info.rank == 0:
             port = self.fixed_port or free_port("0.0.0.0")
             store.set(self.MASTER_KEY, f"{self.local_addr}:{port}")
@@ -144,6 +152,26 @@ class C10dRendezvous:
         except Exception as exc:  # a vanished store must not crash the supervisor
             log.warning("rendezvous: cannot read waiting nodes: %s", exc)
             return 0
+
+    def exit_barrier(self, timeout: float = 300.0) -> None:
+        """Wait until every node of the round finished, so none closes the rendezvous
+        while another is still in it (its next_rendezvous would fail)."""
+        if self._round is None:
+            return
+        store, nodes = self._round
+        key = "ft_launcher/exited"
+        deadline = time.monotonic() + timeout
+        try:
+            done = store.add(key, 1)
+            while done < nodes and time.monotonic() < deadline:
+                time.sleep(0.05)
+                done = store.add(key, 0)
+        except Exception as exc:  # the store's host may already be gone: nothing to wait for
+            log.debug("exit barrier: %s", exc)
+            return
+        if done < nodes:
+            log.warning("exit barrier: %d of %d nodes finished after %.0f s", done, nodes,
+                        timeout)
 
     def shutdown(self) -> None:
         try:

@@ -29,12 +29,15 @@ from ft_launcher.monitor import HangVerdict, Monitor
 from ft_launcher.policy import CycleResult, Decision, JobState, Outcome
 from ft_launcher.rendezvous import C10dRendezvous, RoundInfo, StaticRendezvous
 from ft_launcher.rundir import RunDir
+from ft_launcher.standby import StandbyPool
 from ft_launcher.workers import Worker, WorkerGroup, WorkerSpec
 
 log = logging.getLogger("ft_launcher")
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 PASS_THROUGH_SIGNALS = (signal.SIGUSR1,)  # handed to the workers, the job goes on
+TERMINATING_SIGNAL_NAMES = {signal.Signals(s).name for s in FORWARDED_SIGNALS}
+SIGNAL_SETTLE_S = 0.2
 STACK_WAIT_S = 1.5
 
 
@@ -72,6 +75,8 @@ class Supervisor:
         self.worker_exits: list[dict[str, Any]] = []
         self.fault_plan = faults.parse_fault(cfg.ft.simulated_fault) if cfg.ft.simulated_fault \
             else None
+        if self.fault_plan is not None:
+            faults.validate_world(self.fault_plan, cfg.max_nodes * cfg.nproc_per_node)
         self.gpus = count_gpus()
         self.job = JobState(
             max_restarts=cfg.max_restarts,
@@ -96,6 +101,8 @@ class Supervisor:
             state_path=state_path,
             events=lambda name, **f: self.event(name, **f),
         )
+        # Warm restart (--ft-warm-restart): standby interpreters; inert when off.
+        self.standbys = StandbyPool(cfg, self.rundir.logs / "standby", self.event)
 
     # -- setup -------------------------------------------------------------------------
 
@@ -172,6 +179,7 @@ class Supervisor:
         finally:
             if self.group is not None:
                 self.group.kill_all()
+            self.standbys.close()
             self.monitor.close()
             self.rdzv.shutdown()
             Path(self.monitor.endpoint[len("ipc://"):]).unlink(missing_ok=True)
@@ -198,10 +206,12 @@ class Supervisor:
             if armed is not None and not first <= armed.rank < first + self.cfg.nproc_per_node:
                 armed = None  # the victim lives on another node
         group = self.group = WorkerGroup()
-        group.start(self._worker_specs(rnd, armed))
+        group.start(self._worker_specs(rnd, armed), warm=self.standbys.take)
+        self.standbys.cycle_started()
         self.monitor.start_cycle(self.cycle, group.workers, self.rundir.private)
         self.event("workers_started", ranks=[w.rank for w in group.workers],
-                   pids=[w.pid for w in group.workers], device_map=self.job.device_map())
+                   pids=[w.pid for w in group.workers], device_map=self.job.device_map(),
+                   warm=[w.warm for w in group.workers])
         result = self._watch(group, armed)
         if result.outcome is not Outcome.SUCCEEDED:
             grace = self.cfg.term_timeout if result.outcome is Outcome.SIGNALED \
@@ -209,8 +219,11 @@ class Supervisor:
             signum = result.signum if result.outcome is Outcome.SIGNALED else signal.SIGTERM
             group.stop(grace, signum)
         group.kill_all()  # exited leaders may have left children in their groups
+        self.monitor.handle_messages()  # reports sent while the group was being stopped
+        if result.outcome is Outcome.SUCCEEDED:
+            self.rdzv.exit_barrier()
         for w in group.workers:
-            if w.exit_code is not None and not getattr(w, "_reported", False):
+            if w.exit_code is not None and not w.reported:
                 self._report_exit(w, stopped=True)
         for rank, per_kind in self.monitor.end_cycle().items():
             for kind, stats in per_kind.items():
@@ -281,12 +294,12 @@ class Supervisor:
         return ",".join(order)
 
     def _watch(self, group: WorkerGroup, armed: faults.ArmedFault | None) -> CycleResult:
+        """Sleep until something happens, then check in a fixed order what ended the cycle."""
         poller = zmq.Poller()
         poller.register(self.monitor.sock, zmq.POLLIN)
         poller.register(self._wake_r.fileno(), zmq.POLLIN)
         interval = self.cfg.monitor_interval
         next_peer_check = time.monotonic() + interval
-        failures: list[dict[str, Any]] = []
         while True:
             timeout = interval
             deadline = self.monitor.next_deadline()
@@ -297,50 +310,64 @@ class Supervisor:
             poller.poll(max(0.0, timeout) * 1000)
             self._drain_wakeups()
             self.monitor.handle_messages()
-
-            for signum in self._take_signals():
-                if signum in PASS_THROUGH_SIGNALS:
-                    for w in group.alive():
-                        os.kill(w.pid, signum)
-                    self.event("signal_forwarded", signal=signal.Signals(signum).name)
-                else:
-                    self.event("signal_received", signal=signal.Signals(signum).name)
-                    return CycleResult(self.cycle, Outcome.SIGNALED, signum=signum)
-
-            for w in group.poll():
-                exit_info = self._report_exit(w)
-                if w.exit_code != 0:
-                    failures.append(exit_info)
-            if failures:
-                group.poll()  # collect ranks that died in the same instant
-                for w in group.workers:
-                    if w.exit_code not in (None, 0) and not getattr(w, "_reported", False):
-                        failures.append(self._report_exit(w))
-                for f in failures:
-                    self.faults_seen.append({"cycle": self.cycle, "kind": "worker_failed", **f})
-                return CycleResult(self.cycle, Outcome.FAILED, failures=failures)
-            if not group.alive():
-                return CycleResult(self.cycle, Outcome.SUCCEEDED)
-
-            if self.monitor.controls:
-                rank, action = self.monitor.controls[0]
-                if action != "continue":
-                    return CycleResult(self.cycle, Outcome.CONTROL, control=action)
-                self.monitor.controls.clear()
-
-            verdict = self.monitor.check_deadlines()
-            if verdict is not None:
-                self._handle_hang(group, verdict)
-                return CycleResult(self.cycle, Outcome.HUNG, hang=vars(verdict))
-
+            # Before exits: a rank_exit fault and the rank's own exit happen at the same time.
             if armed is not None and not armed.fired and time.time() >= armed.at:
                 self._inject(group, armed)
-
+            result = (self._check_signals(group) or self._check_exits(group)
+                      or self._check_controls() or self._check_hang(group))
+            if result is not None:
+                return result
+            # Standbys are spawned once every rank is training (first heartbeat or section).
+            self.standbys.tick(all(r.first_activity is not None
+                                   for r in self.monitor.ranks.values()))
             if time.monotonic() >= next_peer_check:
                 next_peer_check = time.monotonic() + interval
                 if self.rdzv.num_nodes_waiting() > 0:
                     self.event("peers_waiting")
                     return CycleResult(self.cycle, Outcome.PEER_CHANGED)
+
+    def _check_signals(self, group: WorkerGroup) -> CycleResult | None:
+        for signum in self._take_signals():
+            if signum in PASS_THROUGH_SIGNALS:
+                for w in group.alive():
+                    os.kill(w.pid, signum)
+                self.event("signal_forwarded", signal=signal.Signals(signum).name)
+            else:
+                self.event("signal_received", signal=signal.Signals(signum).name)
+                return CycleResult(self.cycle, Outcome.SIGNALED, signum=signum)
+        return None
+
+    def _check_exits(self, group: WorkerGroup) -> CycleResult | None:
+        failures = [self._report_exit(w) for w in group.poll() if w.exit_code != 0]
+        if not failures:
+            return None if group.alive() else CycleResult(self.cycle, Outcome.SUCCEEDED)
+        if any(f["signal"] in TERMINATING_SIGNAL_NAMES for f in failures):
+            # A scheduler (scancel, time limit) signals every process of the job at once:
+            # the workers' deaths may be seen before the launcher's own signal arrives.
+            time.sleep(SIGNAL_SETTLE_S)
+            signaled = self._check_signals(group)
+            if signaled is not None:
+                return signaled
+        group.poll()  # collect ranks that died in the same instant
+        failures += [self._report_exit(w) for w in group.workers
+                     if w.exit_code not in (None, 0) and not w.reported]
+        for f in failures:
+            self.faults_seen.append({"cycle": self.cycle, "kind": "worker_failed", **f})
+        return CycleResult(self.cycle, Outcome.FAILED, failures=failures)
+
+    def _check_controls(self) -> CycleResult | None:
+        for _rank, action in self.monitor.controls:
+            if action != "continue":
+                return CycleResult(self.cycle, Outcome.CONTROL, control=action)
+        self.monitor.controls.clear()
+        return None
+
+    def _check_hang(self, group: WorkerGroup) -> CycleResult | None:
+        verdict = self.monitor.check_deadlines()
+        if verdict is None:
+            return None
+        self._handle_hang(group, verdict)
+        return CycleResult(self.cycle, Outcome.HUNG, hang=vars(verdict))
 
     def _take_signals(self) -> list[int]:
         taken = [s for s in self._pending if s != signal.SIGCHLD]
@@ -348,9 +375,10 @@ class Supervisor:
         return taken
 
     def _report_exit(self, w: Worker, stopped: bool = False) -> dict[str, Any]:
-        w._reported = True  # type: ignore[attr-defined]
+        w.reported = True
         self.monitor.rank_exited(w.rank)
-        info = {"rank": w.rank, "local_rank": w.local_rank, "pid": w.pid, **w.describe_exit()}
+        info = {"rank": w.rank, "local_rank": w.local_rank, "pid": w.pid, "warm": w.warm,
+                **w.describe_exit()}
         self.event("worker_exited", stopped_by_launcher=stopped, **info)
         self.worker_exits.append({"cycle": self.cycle, "stopped_by_launcher": stopped, **info})
         return info

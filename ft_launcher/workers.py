@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -55,6 +56,8 @@ class Worker:
     exit_code: int | None = None  # negative: killed by that signal (Popen convention)
     ended_at: float | None = None
     _pump: threading.Thread | None = field(default=None, repr=False)
+    warm: bool = False  # an activated standby (warm restart), not a fresh spawn
+    reported: bool = False  # its exit is on record (events.jsonl)
 
     @property
     def rank(self) -> int:
@@ -84,6 +87,25 @@ class Worker:
         return {"exit_code": code, "signal": None}
 
 
+def spawn_process(argv: list[str], env: dict[str, str], stdin: int) -> subprocess.Popen:
+    """Start a worker-like process: own session, PDEATHSIG, stdout+stderr merged in a pipe.
+
+    Used for cold workers and for warm-restart standbys (standby.py), so both are isolated
+    and outlived by nothing in the same way.
+    """
+    parent = os.getpid()
+    return subprocess.Popen(
+        argv,
+        env=env,
+        stdin=stdin,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=lambda: _child_setup(parent),  # noqa: PLW1509
+        close_fds=True,
+    )
+
+
 def _pump_output(stream: IO[bytes], log_file: IO[bytes], prefix: bytes | None) -> None:
     # A thread per worker copies its merged stdout/stderr to the cycle's log file, and to the
     # console when asked, so the worker never blocks on a full pipe.
@@ -106,35 +128,41 @@ class WorkerGroup:
     def __init__(self) -> None:
         self.workers: list[Worker] = []
 
-    def start(self, specs: list[WorkerSpec]) -> None:
-        """Spawn every worker; on a spawn failure kill the ones already started."""
-        parent = os.getpid()
+    def start(self, specs: list[WorkerSpec],
+              warm: Callable[[WorkerSpec], Worker | None] | None = None) -> None:
+        """Spawn every worker; on a spawn failure kill the ones already started.
+
+        ``warm`` (warm restart, standby.py) may hand over an activated standby for a spec;
+        where it returns None the worker is spawned cold.
+        """
         try:
             for spec in specs:
-                log_file = open(spec.log_path, "ab", buffering=0)  # noqa: SIM115
-                proc = subprocess.Popen(
-                    spec.argv,
-                    env=spec.env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                    preexec_fn=lambda: _child_setup(parent),  # noqa: PLW1509
-                    close_fds=True,
-                )
-                prefix = f"[rank{spec.rank}]: ".encode() if spec.echo else None
-                worker = Worker(spec=spec, proc=proc, started_at=time.time())
-                worker._pump = threading.Thread(
-                    target=_pump_output,
-                    args=(proc.stdout, log_file, prefix),
-                    name=f"ft-log-rank{spec.rank}",
-                    daemon=True,
-                )
-                worker._pump.start()
+                worker = warm(spec) if warm is not None else None
+                if worker is None:
+                    worker = self._spawn(spec)
                 self.workers.append(worker)
         except OSError:
             self.kill_all()
             raise
+
+    @staticmethod
+    def _spawn(spec: WorkerSpec) -> Worker:
+        log_file = open(spec.log_path, "ab", buffering=0)  # noqa: SIM115
+        try:
+            proc = spawn_process(spec.argv, spec.env, stdin=subprocess.DEVNULL)
+        except OSError:
+            log_file.close()
+            raise
+        prefix = f"[rank{spec.rank}]: ".encode() if spec.echo else None
+        worker = Worker(spec=spec, proc=proc, started_at=time.time())
+        worker._pump = threading.Thread(
+            target=_pump_output,
+            args=(proc.stdout, log_file, prefix),
+            name=f"ft-log-rank{spec.rank}",
+            daemon=True,
+        )
+        worker._pump.start()
+        return worker
 
     def poll(self) -> list[Worker]:
         """Reap exited workers; return those that exited since the last poll."""

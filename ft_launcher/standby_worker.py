@@ -1,0 +1,214 @@
+"""Runs inside a warm-restart standby: import the preload modules, wait, become a worker.
+
+The launcher (``ft_launcher.standby``) starts this as
+
+    python -u -c "from ft_launcher.standby_worker import main; main()" \\
+        NONCE RUN_DIR SYS_PATH0 PRELOAD
+
+with the interpreter and flags of a cold worker, in its own session, stdin a pipe from the
+launcher, stdout and stderr one pipe to the launcher. It imports the comma-separated
+PRELOAD modules with ``sys.path[0]`` set to what the training script will see (the script's
+directory, or the working directory for ``-m``), tells the launcher it is ready and blocks
+on stdin. When a restart needs it, the launcher writes one activation record (working
+directory, ``-m`` or path, target, arguments, the full environment of the new cycle's
+rank); the standby then makes itself look like a freshly started ``python -u script.py``
+(or ``-m module``) and runs the script as ``__main__``:
+
+- ``os.environ`` is replaced entirely, the working directory is set, fd 0 is ``/dev/null``;
+- signal dispositions and the signal mask are reset to what this interpreter had when it
+  started (before any preload could change them): SIGINT raises KeyboardInterrupt,
+  SIGPIPE and SIGXFSZ ignored, everything else default;
+- ``sys.argv``, ``sys.path[0]`` and a new ``__main__`` module are set up as the interpreter
+  does; this module removes itself from ``sys.modules`` first;
+- an uncaught exception prints its traceback (from the script's first frame) and exits 1,
+  ``SystemExit`` and ``KeyboardInterrupt`` behave as in any interpreter.
+
+Lines that start with ``@@ft-standby NONCE`` on stdout are messages to the launcher, which
+keeps them out of every log; everything else a preload prints goes to the standby log.
+
+Limits (what a preloaded module may not rely on):
+
+- The standby's environment is the launcher's (plus ``OMP_NUM_THREADS`` when the launcher
+  sets it for workers): ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_*``,
+  ``FT_CYCLE``, ``CUDA_VISIBLE_DEVICES`` as rotated for the rank, ... are not there yet. A
+  module that reads them at import, caches ``os.environ`` values, or derives state from the
+  process (pid, time, random seeds) at import keeps the standby's values.
+- A preload must not touch a GPU (the standby refuses to serve if it holds a ``/dev/nvidia*``
+  file), start threads or processes, open sockets or files it keeps: all of them would
+  survive into the worker.
+- ``sys.orig_argv`` and ``/proc/PID/cmdline`` still show the standby's command line.
+
+This module imports nothing beyond what a fresh interpreter already has loaded, so the
+script's ``sys.modules`` is a fresh interpreter's plus the preloads.
+"""
+
+import _signal  # not ``signal``: a fresh interpreter has only the C module loaded
+import builtins
+import os
+import sys
+import time
+
+EXIT_PRELOAD_FAILED = 3
+
+
+def _say(nonce: str, message: str) -> None:
+    """One message line to the launcher, straight to fd 1 so no buffer reorders it."""
+    data = f"@@ft-standby {nonce} {message}\n".encode(errors="replace")
+    while data:
+        data = data[os.write(1, data):]
+
+
+def _read_record(fd: int = 0) -> list[bytes] | None:
+    """Read ``<length>\\n`` then that many bytes of NUL-separated fields; None at EOF."""
+    header = b""
+    while not header.endswith(b"\n"):
+        chunk = os.read(fd, 1)
+        if not chunk:
+            return None
+        header += chunk
+    size = int(header)
+    data = b""
+    while len(data) < size:
+        chunk = os.read(fd, size - len(data))
+        if not chunk:
+            return None
+        data += chunk
+    return data.split(b"\0")
+
+
+def _gpu_files() -> list[str]:
+    """Open files that are GPU device nodes (a preload that created a GPU context)."""
+    found = []
+    try:
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                target = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("/dev/nvidia"):
+                found.append(target)
+    except OSError:
+        pass
+    return found
+
+
+def _preload(nonce: str, modules: list[str]) -> bool:
+    for name in modules:
+        try:
+            __import__(name)
+        except BaseException as exc:  # noqa: BLE001 - any failure means: start cold
+            text = " ".join(f"{type(exc).__name__}: {exc}".split())
+            _say(nonce, f"failed {name}: {text}")
+            return False
+    gpu = _gpu_files()
+    if gpu:
+        _say(nonce, f"failed {','.join(modules)}: opened a GPU device ({gpu[0]})")
+        return False
+    return True
+
+
+def _restore_signals(handlers: dict[int, object], mask: set[int]) -> None:
+    # Every signal is set, not only those Python knows changed: a C extension may have
+    # installed a handler with sigaction() behind the signal module's back.
+    for signum, handler in handlers.items():
+        if handler is None:  # set outside Python before start-up: cannot happen after exec
+            continue
+        try:
+            _signal.signal(signum, handler)
+        except (OSError, ValueError, RuntimeError):  # SIGKILL, SIGSTOP, libc's reserved ones
+            pass
+    _signal.pthread_sigmask(_signal.SIG_SETMASK, mask)
+
+
+def _new_main() -> dict:
+    """A fresh ``__main__`` module in sys.modules, as the interpreter creates it."""
+    main = type(sys)("__main__")
+    main.__builtins__ = builtins
+    sys.modules["__main__"] = main
+    return vars(main)
+
+
+def _run_path(script: str, args: list[str]) -> None:
+    from importlib.machinery import SourceFileLoader  # loaded by every interpreter
+
+    path = os.path.abspath(script)
+    sys.argv = [script, *args]
+    sys.path[0] = os.path.dirname(os.path.realpath(path))
+    try:
+        with open(path, "rb") as f:
+            source = f.read()
+    except OSError as exc:  # the interpreter's own message and exit code
+        sys.stderr.write(f"{sys.executable}: can't open file {path!r}: "
+                         f"[Errno {exc.errno}] {exc.strerror}\n")
+        sys.exit(2)
+    main_globals = _new_main()
+    main_globals.update(__file__=path, __cached__=None,
+                        __loader__=SourceFileLoader("__main__", path))
+    # dont_inherit: this module's compiler flags must not leak into the script.
+    code = compile(source, path, "exec", dont_inherit=True)
+    exec(code, main_globals)
+
+
+def _run_module(module: str, args: list[str]) -> None:
+    import runpy  # what ``python -m`` imports too
+
+    sys.argv = ["-m", *args]
+    sys.path[0] = os.getcwd()
+    _new_main()
+    # The function the interpreter itself calls for ``python -m``: it runs the module in
+    # sys.modules["__main__"] and sets sys.argv[0] to its file.
+    runpy._run_module_as_main(module, alter_argv=True)
+
+
+def _script_traceback(tb, main_globals: dict):
+    """Drop the standby's own frames: the traceback starts at the script's first frame."""
+    while tb is not None and tb.tb_frame.f_globals is not main_globals:
+        tb = tb.tb_next
+    return tb
+
+
+def _become_worker(nonce: str, fields: list[bytes], handlers: dict[int, object],
+                   mask: set[int]) -> None:
+    text = [os.fsdecode(f) for f in fields]
+    cwd, mode, target, nargs = text[0], text[1], text[2], int(text[3])
+    args, env = text[4:4 + nargs], text[4 + nargs:]
+    os.environ.clear()  # unsetenv/putenv too, so C code sees the new environment
+    for item in env:
+        key, _, value = item.partition("=")
+        os.environ[key] = value
+    os.chdir(cwd)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    _restore_signals(handlers, mask)
+    _say(nonce, "start")  # from here on, output belongs to the cycle's log
+    sys.modules.pop("ft_launcher.standby_worker", None)
+    if not any(m.startswith("ft_launcher.") for m in sys.modules):
+        sys.modules.pop("ft_launcher", None)
+    run = _run_module if mode == "module" else _run_path
+    try:
+        run(target, args)
+    except (SystemExit, KeyboardInterrupt):
+        raise  # the interpreter's own handling: exit code, or death by SIGINT
+    except BaseException as exc:  # noqa: BLE001 - an uncaught exception in the script
+        tb = _script_traceback(exc.__traceback__, vars(sys.modules["__main__"]))
+        exc.with_traceback(tb)  # the default hook prints exc.__traceback__, not its argument
+        sys.excepthook(type(exc), exc, tb)
+        sys.exit(1)
+
+
+def main() -> None:
+    """Entry point of a standby process (see the module docstring)."""
+    nonce, _run_dir, path0, preload = sys.argv[1:5]
+    started = time.monotonic()
+    handlers = {s: _signal.getsignal(s) for s in _signal.valid_signals()}
+    mask = _signal.pthread_sigmask(_signal.SIG_BLOCK, [])
+    sys.path[0] = path0  # where the script will import from, so local modules preload too
+    modules = [m for m in preload.split(",") if m]
+    if not _preload(nonce, modules):
+        sys.exit(EXIT_PRELOAD_FAILED)
+    _say(nonce, f"ready {time.monotonic() - started:.3f} {len(os.listdir('/proc/self/task'))}")
+    fields = _read_record()
+    if fields is None:  # the launcher closed the pool
+        sys.exit(0)
+    _become_worker(nonce, fields, handlers, mask)

@@ -1,0 +1,375 @@
+"""Warm restart (--ft-warm-restart): standby interpreters that become the next cycle's workers.
+
+Real launchers, real standby processes, real DDP training on gloo; standbys are found and
+killed by the pids the launcher reports in its ``standby_ready`` events.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+from launch_helpers import (
+    EXAMPLES,
+    ROOT,
+    events,
+    launcher_cmd,
+    named,
+    processes_of,
+    run_launcher,
+    summary,
+    wait_for,
+)
+
+from ft_launcher import standby_worker
+from ft_launcher.standby import PythonEntry, _encode_record
+
+pytestmark = pytest.mark.timeout(180)
+
+LOSS_LINE = re.compile(r"^rank (\d+) cycle (\d+) step (\d+) loss (\S+)$", re.M)
+
+
+def _gone(pids: list[int]) -> bool:
+    return all(not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE
+               for p in pids)
+
+
+def _ready(run_dir: Path, cycle: int | None = None) -> list[dict]:
+    return [e for e in named(events(run_dir), "standby_ready")
+            if cycle is None or e["cycle"] == cycle]
+
+
+# -- 1. same training results, warm or cold -----------------------------------------------
+
+
+def _train_and_kill_rank1(run_dir: Path, warm: bool) -> dict[tuple[int, int], str]:
+    """train_ddp with 2 ranks; SIGKILL rank 1 once a checkpoint exists (and, warm, once both
+    standbys are ready); return (rank, step) -> loss over every cycle's log."""
+    flags = ["--ft-warm-restart"] if warm else []
+    cmd = launcher_cmd(run_dir, "--nproc-per-node", "2", "--max-restarts", "1", *flags,
+                       str(EXAMPLES / "train_ddp.py"), "--steps", "300", "--ckpt-every", "10",
+                       "--step-time", "0.03")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=ROOT)
+    try:
+        wait_for((run_dir / "ckpt" / "iteration").exists, 60, "the first checkpoint")
+        if warm:
+            wait_for(lambda: len(_ready(run_dir, 0)) == 2, 60, "two ready standbys")
+        pid = named(events(run_dir), "workers_started")[0]["pids"][1]
+        os.kill(pid, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=90)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out
+    assert summary(run_dir)["restarts"] == 1
+    started = named(events(run_dir), "workers_started")
+    assert [e["warm"] for e in started] == [[False, False], [warm, warm]]
+    losses: dict[tuple[int, int], set[str]] = {}
+    for log in sorted((run_dir / "logs").glob("cycle_*/rank_*.log")):
+        for rank, _cycle, step, loss in LOSS_LINE.findall(log.read_text()):
+            losses.setdefault((int(rank), int(step)), set()).add(loss)
+    # A step computed twice (after the checkpoint, before the kill, then again) agrees.
+    assert all(len(v) == 1 for v in losses.values()), losses
+    cycle1 = (run_dir / "logs" / "cycle_1" / "rank_1.log").read_text()
+    assert " cycle 1 step 300 loss " in cycle1
+    return {k: v.pop() for k, v in losses.items()}
+
+
+def test_warm_restart_trains_exactly_like_a_cold_restart(tmp_path, run_dir):
+    warm_dir = run_dir
+    cold_dir = tmp_path / "cold_run"
+    try:
+        cold = _train_and_kill_rank1(cold_dir, warm=False)
+    finally:
+        wait_for(lambda: not processes_of(cold_dir), 10, "the cold run's processes to end")
+    warm = _train_and_kill_rank1(warm_dir, warm=True)
+    # Every step of the warm run's restarted cycle, on both ranks, was computed by the cold
+    # run too (before or after its own restart): the losses must be the same to the digit.
+    warm_cycle1 = {(int(r), int(s)) for log in (warm_dir / "logs" / "cycle_1").glob("*.log")
+                   for r, _c, s, _l in LOSS_LINE.findall(log.read_text())}
+    assert len(warm_cycle1) >= 20
+    assert {k: warm[k] for k in warm_cycle1} == {k: cold[k] for k in warm_cycle1}
+    assert set(warm) == set(cold) and warm == cold
+    result = [json.loads((d / "ckpt" / "result.json").read_text()) for d in (cold_dir, warm_dir)]
+    assert result[0] == result[1] and result[0]["steps"] == 300
+
+
+# -- 2. a warm worker is indistinguishable from a fresh process --------------------------
+
+PRELOAD = '''
+"""Preloaded by the standby: misbehaves in every way a standby must undo."""
+import os
+import signal
+
+print("preload says hi", flush=True)
+os.environ["FT_LEFTOVER_FROM_PRELOAD"] = "1"
+signal.signal(signal.SIGTERM, lambda *a: print("preload's SIGTERM handler", flush=True))
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR1])
+os.chdir("/")
+'''
+
+SEMANTICS = '''
+"""Records what it sees; cycle 0 and 1 fail once the standbys are ready, cycle 2 ends 0."""
+import sys
+
+MODULES = sorted(m for m in sys.modules if m.startswith(("json", "ft_", "preload_")))
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+facts = {
+    "argv": sys.argv,
+    "name": __name__,
+    "main_file": sys.modules["__main__"].__file__,
+    "spec": getattr(__spec__, "name", None),
+    "cwd": os.getcwd(),
+    "env": dict(os.environ),
+    "sigint": getattr(signal.getsignal(signal.SIGINT), "__name__", None),
+    "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+    "blocked": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])),
+    "stdin": sys.stdin.read(),
+    "path0": sys.path[0],
+    "modules": MODULES,
+    "pid": os.getpid(),
+}
+run_dir = Path(os.environ["FT_RUN_DIR"])
+cycle, rank = int(os.environ["FT_CYCLE"]), int(os.environ["RANK"])
+(run_dir / f"facts_{cycle}_{rank}.json").write_text(json.dumps(facts))
+print(f"hello from rank {rank} cycle {cycle}", flush=True)
+print(f"stderr of rank {rank} cycle {cycle}", file=sys.stderr, flush=True)
+if cycle == 2:
+    sys.exit(0)
+
+from ft_agent import RankMonitorClient  # noqa: E402
+
+ft = RankMonitorClient()
+ft.init_workload_monitoring()
+ft.send_heartbeat()  # every rank training: the launcher may spawn standbys now
+deadline = time.monotonic() + 60
+while time.monotonic() < deadline:
+    ready = [e for e in map(json.loads, (run_dir / "events.jsonl").read_text().splitlines())
+             if e["event"] == "standby_ready" and e["cycle"] == cycle]
+    if len(ready) >= 2:
+        break
+    time.sleep(0.05)
+if rank == 1:
+    if cycle == 1:
+        raise RuntimeError("boom from a warm worker")
+    sys.exit(1)
+time.sleep(60)  # rank 0 waits to be stopped with SIGTERM
+'''
+
+
+@pytest.mark.parametrize("mode", ["path", "module"])
+def test_warm_worker_sees_a_fresh_process(tmp_path, run_dir, mode):
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "preload_misbehaves.py").write_text(PRELOAD)
+    (work / "semantics_mod.py").write_text(SEMANTICS)
+    if mode == "path":  # run from the repository root, the script by a relative path
+        cwd, target = ROOT, os.path.relpath(work / "semantics_mod.py", ROOT)
+        entry = [target]
+        main_file = str(work / "semantics_mod.py")
+    else:  # python -m semantics_mod, from the script's directory
+        cwd, target = work, "semantics_mod"
+        entry = ["-m", target]
+        main_file = str(work / "semantics_mod.py")
+    cmd = launcher_cmd(run_dir, "--nproc-per-node", "2", "--max-restarts", "2",
+                       "--ft-warm-restart", "--ft-preload", "json,preload_misbehaves",
+                       "--workers-stop-timeout", "5", *entry, "--flag", "x y")
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          cwd=cwd, timeout=120)
+    assert proc.returncode == 0, proc.stdout
+    assert "[rank1]: hello from rank 1 cycle 1" in proc.stdout  # echoed like a cold worker's
+    assert "preload says hi" not in proc.stdout
+    evs = events(run_dir)
+    assert [e["warm"] for e in named(evs, "workers_started")] == \
+        [[False, False], [True, True], [True, True]]
+    ready = named(evs, "standby_ready")
+    for rank in (0, 1):
+        cold = json.loads((run_dir / f"facts_0_{rank}.json").read_text())
+        assert "json" not in cold["modules"]
+        for cycle in (1, 2):
+            f = json.loads((run_dir / f"facts_{cycle}_{rank}.json").read_text())
+            assert f["argv"] == [main_file if mode == "module" else target, "--flag", "x y"]
+            assert f["name"] == "__main__" and f["main_file"] == main_file
+            assert f["spec"] == (target if mode == "module" else None)
+            assert f["cwd"] == str(cwd) and f["path0"] == os.path.realpath(work)
+            assert set(f["env"]) == set(cold["env"]), "leftover or missing variables"
+            assert f["env"]["RANK"] == str(rank) and f["env"]["FT_CYCLE"] == str(cycle)
+            assert f["sigint"] == "default_int_handler" and f["sigterm_default"]
+            assert f["blocked"] == cold["blocked"] == []
+            assert f["stdin"] == ""
+            # Warm: the preloads are there, nothing of the launcher is.
+            assert f["modules"][:2] == ["json", "json.decoder"]
+            assert "preload_misbehaves" in f["modules"]
+            assert not [m for m in f["modules"] if m.startswith("ft_launcher")]
+            assert f["pid"] in {e["pid"] for e in ready if e["local_rank"] == rank}
+            log = (run_dir / "logs" / f"cycle_{cycle}" / f"rank_{rank}.log").read_text()
+            assert f"hello from rank {rank} cycle {cycle}" in log
+            assert f"stderr of rank {rank} cycle {cycle}" in log
+            assert "preload says hi" not in log
+    # Cycle 1: rank 1's uncaught exception is exit code 1 with the script's traceback;
+    # rank 0 dies of the launcher's SIGTERM (the preload's handler is gone).
+    exits = {(w["cycle"], w["rank"]): w for w in summary(run_dir)["workers"]}
+    assert exits[(1, 1)]["exit_code"] == 1
+    assert exits[(1, 0)]["signal"] == "SIGTERM" and exits[(1, 0)]["stopped_by_launcher"]
+    log = (run_dir / "logs" / "cycle_1" / "rank_1.log").read_text()
+    tb = log[log.index("Traceback (most recent call last):"):].splitlines()
+    assert tb[1].strip().startswith(f'File "{main_file}", line ') and "<module>" in tb[1]
+    assert tb[-1] == "RuntimeError: boom from a warm worker"
+    assert "preload's SIGTERM handler" not in log
+    every_log = "".join(p.read_text() for p in (run_dir / "logs").rglob("*.log"))
+    assert "@@ft-standby" not in every_log
+    assert "preload says hi" in (run_dir / "logs" / "standby" / "local_rank_0.log").read_text()
+    # A normal exit leaves no standby behind.
+    assert _gone([e["pid"] for e in ready])
+
+
+# -- 3 and 4. a dead standby is replaced; none outlives the launcher ----------------------
+
+HEARTBEATS = '''
+import time
+from ft_agent import RankMonitorClient
+
+ft = RankMonitorClient()
+ft.init_workload_monitoring()
+for _ in range(1200):
+    ft.send_heartbeat()
+    time.sleep(0.05)
+'''
+
+
+def test_dead_standby_is_replaced_and_none_survives_launcher_sigkill(tmp_path, run_dir):
+    script = tmp_path / "heartbeats.py"
+    script.write_text(HEARTBEATS)
+    cmd = launcher_cmd(run_dir, "--nproc-per-node", "2", "--ft-warm-restart",
+                       "--ft-preload", "json", str(script))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT)
+    try:
+        first = wait_for(lambda: sorted(_ready(run_dir), key=lambda e: e["local_rank"])
+                         if len(_ready(run_dir)) == 2 else None, 30, "two ready standbys")
+        assert all(e["rss_mb"] > 0 and e["pss_mb"] > 0 for e in first)
+        # The launcher's environment, no rank yet; the workers' thread count (libraries read
+        # it when they load, before activation could change it).
+        standby_env = psutil.Process(first[0]["pid"]).environ()
+        assert "RANK" not in standby_env and "FT_CYCLE" not in standby_env
+        assert standby_env.get("OMP_NUM_THREADS") == os.environ.get("OMP_NUM_THREADS", "1")
+        victim = first[1]["pid"]
+        os.kill(victim, signal.SIGKILL)
+        died = wait_for(lambda: named(events(run_dir), "standby_died"), 10, "standby_died")
+        assert died == [{**died[0], "local_rank": 1, "pid": victim, "signal": "SIGKILL",
+                         "exit_code": None, "was_ready": True}]
+        again = wait_for(lambda: [e for e in _ready(run_dir)[2:] if e["local_rank"] == 1],
+                         30, "a replacement standby")
+        assert again[0]["pid"] != victim and psutil.pid_exists(again[0]["pid"])
+        standbys = [first[0]["pid"], again[0]["pid"]]
+        workers = named(events(run_dir), "workers_started")[0]["pids"]
+        assert psutil.Process(standbys[0]).ppid() == proc.pid
+        proc.kill()  # SIGKILL: no finally runs; PDEATHSIG takes standbys and workers along
+        proc.wait(timeout=10)
+        wait_for(lambda: _gone(standbys + workers), 2, "standbys and workers to die")
+    finally:
+        proc.kill()
+        proc.communicate()
+
+
+# -- the feature turns itself off, with one event, and the job runs cold ---------------
+
+WAIT_FOR_DISABLED = '''
+import json, os, time
+from pathlib import Path
+from ft_agent import RankMonitorClient
+
+ft = RankMonitorClient()
+ft.init_workload_monitoring()
+ft.send_heartbeat()
+path = Path(os.environ["FT_RUN_DIR"]) / "events.jsonl"
+deadline = time.monotonic() + 30
+while time.monotonic() < deadline and "warm_restart_disabled" not in path.read_text():
+    time.sleep(0.05)
+'''
+
+
+def test_failing_preload_disables_warm_restart_once(tmp_path, run_dir):
+    script = tmp_path / "wait_disabled.py"
+    script.write_text(WAIT_FOR_DISABLED)
+    res = run_launcher(run_dir, "--nproc-per-node", "2", "--ft-warm-restart",
+                       "--ft-preload", "json,no_such_module_ft_xyz", str(script), timeout=60)
+    assert res.returncode == 0, res.stdout
+    disabled = named(events(run_dir), "warm_restart_disabled")
+    assert len(disabled) == 1
+    assert "no_such_module_ft_xyz" in disabled[0]["reason"]
+    assert "ModuleNotFoundError" in disabled[0]["reason"]
+    assert not named(events(run_dir), "standby_ready")
+
+
+def test_no_python_runs_cold_with_one_event(tmp_path, run_dir):
+    program = tmp_path / "program.sh"
+    program.write_text("#!/bin/sh\necho plain program\n")
+    program.chmod(0o755)
+    res = run_launcher(run_dir, "--ft-warm-restart", "--no-python", str(program), timeout=60)
+    assert res.returncode == 0, res.stdout
+    disabled = named(events(run_dir), "warm_restart_disabled")
+    assert len(disabled) == 1 and "--no-python" in disabled[0]["reason"]
+    assert named(events(run_dir), "workers_started")[0]["warm"] == [False]
+
+
+def test_off_by_default_no_standby(tmp_path, run_dir):
+    script = tmp_path / "hb.py"
+    script.write_text("from ft_agent import RankMonitorClient\n"
+                      "import time\nft = RankMonitorClient()\nft.init_workload_monitoring()\n"
+                      "for _ in range(20):\n    ft.send_heartbeat()\n    time.sleep(0.05)\n")
+    res = run_launcher(run_dir, "--nproc-per-node", "2", str(script), timeout=60)
+    assert res.returncode == 0, res.stdout
+    names = {e["event"] for e in events(run_dir)}
+    assert not names & {"standby_ready", "standby_died", "warm_restart_disabled"}
+    assert not (run_dir / "logs" / "standby").exists()
+
+
+# -- units ------------------------------------------------------------------------------
+
+
+def test_python_entry_parsing():
+    py = sys.executable
+    assert PythonEntry.parse([py, "-u", "train.py"]) == PythonEntry([py, "-u"], False,
+                                                                    "train.py")
+    assert PythonEntry.parse([py, "-u", "-m", "pkg.train"]) == PythonEntry([py, "-u"], True,
+                                                                           "pkg.train")
+    assert PythonEntry.parse(["/usr/bin/train"]) is None  # --no-python
+    assert PythonEntry.parse(["/other/python", "-u", "train.py"]) is None
+
+
+def test_activation_record_round_trip():
+    entry = PythonEntry([sys.executable, "-u"], False, "t.py")
+    env = {"A": "1", "B": "x=y\nz", "EMPTY": ""}
+    args = ["--flag", "x y", "", "ü"]
+    r, w = os.pipe()
+    try:
+        os.write(w, _encode_record("/some/dir", entry, args, env))
+        fields = [os.fsdecode(f) for f in standby_worker._read_record(r)]
+    finally:
+        os.close(r)
+        os.close(w)
+    assert fields == ["/some/dir", "path", "t.py", "4", *args, "A=1", "B=x=y\nz", "EMPTY="]
+
+
+def test_standby_worker_imports_nothing_heavy():
+    """What the standby adds to a fresh interpreter's sys.modules is only itself."""
+    code = ("import sys; before = set(sys.modules); import ft_launcher.standby_worker; "
+            "print(','.join(sorted(set(sys.modules) - before)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, timeout=30, check=True).stdout
+    assert out.strip() == "ft_launcher,ft_launcher.standby_worker"
