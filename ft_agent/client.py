@@ -123,19 +123,19 @@ class RankMonitorClient:
         if not self._enabled:
             return
         with self._lock:
-            self._send(protocol.HEARTBEAT_FRAME)
+            self._send(protocol.heartbeat_frame(time.monotonic()))
 
     def start_section(self, name: str) -> None:
         """Open a timed section (its own timeout applies while it is open)."""
-        self._fire(protocol.SECTION_OPEN, name=str(name))
+        self._fire(protocol.SECTION_OPEN, name=str(name), t=time.monotonic())
 
     def end_section(self, name: str) -> None:
         """Close a timed section opened with start_section."""
-        self._fire(protocol.SECTION_CLOSE, name=str(name))
+        self._fire(protocol.SECTION_CLOSE, name=str(name), t=time.monotonic())
 
     def end_all_sections(self) -> None:
         """Close every open section of this rank."""
-        self._fire(protocol.SECTION_CLOSE_ALL)
+        self._fire(protocol.SECTION_CLOSE_ALL, t=time.monotonic())
 
     @contextlib.contextmanager
     def section(self, name: str) -> Iterator[None]:

@@ -10,10 +10,10 @@ Kinds (agent -> monitor unless noted):
 =================  ==================================================================
 ``hello``          token, rank, local_rank, pid, host, cycle, stack_signal
 ``config``         monitor -> agent reply to hello: ``ok``, ``error``, ``timeouts``
-``hb``             heartbeat, fire-and-forget
-``sec_open``       ``name``: a section starts
-``sec_close``      ``name``: a section ends
-``sec_close_all``  every open section ends
+``hb``             heartbeat, fire-and-forget; ``t``: the sender's monotonic clock
+``sec_open``       ``name``: a section starts (and ``t``, as for hb)
+``sec_close``      ``name``: a section ends (and ``t``)
+``sec_close_all``  every open section ends (and ``t``)
 ``calc``           ``req``, ``what`` ("hb" or "sections"), ``sections``: calculate timeouts
                    from what the monitor observed and put them in force
 ``set_timeouts``   ``req``, ``timeouts``: put given timeouts in force (load_state_dict)
@@ -114,5 +114,13 @@ def decode(frame: bytes) -> dict[str, Any]:
     return msg
 
 
-# Pre-encoded because a heartbeat is the hot path inside training.
+# The monitor shares the node's monotonic clock (CLOCK_MONOTONIC is system-wide), so an
+# activity message carries the time it happened: the monitor may then drain its socket in
+# batches without skewing intervals or deadlines.
 HEARTBEAT_FRAME = encode(HEARTBEAT)
+_HEARTBEAT_PREFIX = HEARTBEAT_FRAME[:-1] + b',"t":'
+
+
+def heartbeat_frame(t: float) -> bytes:
+    """A heartbeat stamped with monotonic time ``t`` (the hot path: no JSON encoder)."""
+    return _HEARTBEAT_PREFIX + repr(t).encode() + b"}"

@@ -143,6 +143,7 @@ class Monitor:
         self.diagnoses: list[dict[str, Any]] = []
         self.controls: list[tuple[int, str]] = []
         self._rng = random.Random(0)
+        self._hb_count, self._hb_longest = 0, 0.0  # heartbeat intervals of this cycle
         self.state = self._load_state()
 
     # -- cycle lifecycle ---------------------------------------------------------------
@@ -158,6 +159,7 @@ class Monitor:
         self.by_identity = {}
         self.diagnoses = []
         self.controls = []
+        self._hb_count, self._hb_longest = 0, 0.0
 
     def end_cycle(self) -> dict[int, dict[str, dict[str, float]]]:
         """Fold this cycle's observations into the state file; return per-rank stats."""
@@ -202,10 +204,10 @@ class Monitor:
     def _learned(self, kind: str) -> float | None:
         longest = self.state["observed"].get(kind)
         if kind == HB:
-            seen = [s.samples[HB] for s in self.ranks.values() if HB in s.samples]
-            if sum(s.count for s in seen) < AUTO_MIN_INTERVALS and longest is None:
+            # Running totals: this is asked for every rank at every wake-up.
+            if self._hb_count < AUTO_MIN_INTERVALS and longest is None:
                 return None
-            longest = max([s.hi for s in seen] + [longest or 0.0])
+            longest = max(self._hb_longest, longest or 0.0)
         if not longest:
             return None
         return max(self.cfg.safety_factor * longest, AUTO_MIN_TIMEOUT_S)
@@ -274,14 +276,18 @@ class Monitor:
 
     # -- messages ----------------------------------------------------------------------
 
-    def handle_messages(self, budget: int = 10_000) -> None:
-        """Drain the socket without blocking (at most ``budget`` frames per call)."""
+    def all_connected(self) -> bool:
+        """Every rank of the cycle said hello (so nobody waits for a reply)."""
+        return all(r.identity is not None for r in self.ranks.values())
+
+    def handle_messages(self, budget: int = 10_000) -> int:
+        """Drain the socket without blocking (at most ``budget`` frames); return the count."""
         now = time.monotonic
-        for _ in range(budget):
+        for handled in range(budget):
             try:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                return
+                return handled
             if len(frames) != 2:
                 self._count("malformed", f"{len(frames)} frames")
                 continue
@@ -292,6 +298,7 @@ class Monitor:
                 self._count("malformed", str(exc))
                 continue
             self._dispatch(identity, msg, now())
+        return budget
 
     def _dispatch(self, identity: bytes, msg: dict[str, Any], t: float) -> None:
         kind = msg["k"]
@@ -304,6 +311,7 @@ class Monitor:
             return
         if not r.active and kind != protocol.DIAGNOSIS:
             return
+        t = self._sent_at(r, msg, t)
         if kind == protocol.HEARTBEAT:
             self._activity(r, t)
             if r.last_hb is not None:
@@ -405,6 +413,18 @@ class Monitor:
             stack_signal=int(STACK_SIGNAL),
         )
 
+    @staticmethod
+    def _sent_at(r: RankState, msg: dict[str, Any], received: float) -> float:
+        """When an activity message was sent: its own monotonic stamp, kept between the
+        rank's previous activity and the time it was read (a bogus stamp cannot move a
+        deadline into the future or the past); the read time when it has none."""
+        stamp = msg.get("t")
+        if not isinstance(stamp, float):
+            return received
+        floor = max(r.last_hb or r.spawned_at, r.last_section_end or r.spawned_at,
+                    max(r.sections.values(), default=r.spawned_at))
+        return min(max(stamp, floor), received)
+
     def _reply(self, identity: bytes, kind: str, **fields: Any) -> None:
         try:
             self.sock.send_multipart([identity, protocol.encode(kind, **fields)], zmq.NOBLOCK)
@@ -421,6 +441,9 @@ class Monitor:
         if samples is None:
             samples = r.samples[kind] = Samples()
         samples.add(value, self._rng)
+        if kind == HB:
+            self._hb_count += 1
+            self._hb_longest = max(self._hb_longest, value)
 
     def _count(self, what: str, detail: str) -> None:
         n = self.counters.get(what, 0) + 1

@@ -38,6 +38,7 @@ FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 PASS_THROUGH_SIGNALS = (signal.SIGUSR1,)  # handed to the workers, the job goes on
 TERMINATING_SIGNAL_NAMES = {signal.Signals(s).name for s in FORWARDED_SIGNALS}
 SIGNAL_SETTLE_S = 0.2
+MESSAGE_BATCH_S = 0.05
 STACK_WAIT_S = 1.5
 
 
@@ -295,11 +296,13 @@ class Supervisor:
 
     def _watch(self, group: WorkerGroup, armed: faults.ArmedFault | None) -> CycleResult:
         """Sleep until something happens, then check in a fixed order what ended the cycle."""
-        poller = zmq.Poller()
-        poller.register(self.monitor.sock, zmq.POLLIN)
-        poller.register(self._wake_r.fileno(), zmq.POLLIN)
+        everything, signals_only = zmq.Poller(), zmq.Poller()
+        everything.register(self.monitor.sock, zmq.POLLIN)
+        for poller in (everything, signals_only):
+            poller.register(self._wake_r.fileno(), zmq.POLLIN)
         interval = self.cfg.monitor_interval
         next_peer_check = time.monotonic() + interval
+        batch_until = 0.0
         while True:
             timeout = interval
             deadline = self.monitor.next_deadline()
@@ -307,9 +310,16 @@ class Supervisor:
                 timeout = min(timeout, deadline - time.monotonic())
             if armed is not None and not armed.fired:
                 timeout = min(timeout, armed.at - time.time())
+            # Messages carry their send time, so they can wait a moment and be drained
+            # in batches: one wake-up per MESSAGE_BATCH_S instead of one per heartbeat.
+            # Signals (a worker's death) and deadlines still wake the loop at once.
+            poller = everything
+            if time.monotonic() < batch_until:
+                poller, timeout = signals_only, min(timeout, batch_until - time.monotonic())
             poller.poll(max(0.0, timeout) * 1000)
             self._drain_wakeups()
-            self.monitor.handle_messages()
+            if self.monitor.handle_messages() and self.monitor.all_connected():
+                batch_until = time.monotonic() + MESSAGE_BATCH_S
             # Before exits: a rank_exit fault and the rank's own exit happen at the same time.
             if armed is not None and not armed.fired and time.time() >= armed.at:
                 self._inject(group, armed)

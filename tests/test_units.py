@@ -23,6 +23,7 @@ def test_protocol_round_trip_and_heartbeat_frame():
                             cycle=0)
     assert protocol.decode(frame)["rank"] == 1
     assert protocol.decode(protocol.HEARTBEAT_FRAME) == {"v": protocol.VERSION, "k": "hb"}
+    assert protocol.decode(protocol.heartbeat_frame(12.5)) == {"v": 1, "k": "hb", "t": 12.5}
     assert b"pickle" not in frame and frame.startswith(b"{")
 
 
@@ -201,3 +202,16 @@ def test_agent_import_is_light_and_a_no_op_without_launcher():
     assert res.returncode == 0, res.stderr
     assert "WARN ft_agent: FT_ENDPOINT is not set" in res.stdout
     assert json.loads(res.stdout.splitlines()[-1].replace("'", '"')) == {"timeouts": {}}
+
+
+def test_activity_time_stamps_are_clamped():
+    """A rank's own time stamp places a heartbeat exactly, but never in the future (which
+    would postpone its deadline) nor before its previous activity."""
+    from ft_launcher.monitor import Monitor, RankState
+
+    r = RankState(rank=0, local_rank=0, pid=1, spawned_at=100.0, last_hb=105.0)
+    assert Monitor._sent_at(r, {"t": 106.5}, received=107.0) == 106.5
+    assert Monitor._sent_at(r, {"t": 1e9}, received=107.0) == 107.0
+    assert Monitor._sent_at(r, {"t": 50.0}, received=107.0) == 105.0
+    assert Monitor._sent_at(r, {"t": "soon"}, received=107.0) == 107.0
+    assert Monitor._sent_at(r, {}, received=107.0) == 107.0

@@ -1,0 +1,349 @@
+"""Benchmark ft_launcher against torchrun and NVRx's ft_launcher on the same CPU workload.
+
+    python scripts/bench/bench.py                      # full run (~20 min on 2 cores)
+    python scripts/bench/bench.py --quick              # shorter: 3 runs, tighter bounds
+    python scripts/bench/bench.py --only heartbeat,hang --launchers ours,nvrx --repeat 3
+
+Measures: heartbeat (µs per send_heartbeat), hang (SIGSTOP -> verdict), crash (SIGKILL ->
+first step of the next cycle), startup (launcher start -> first step), footprint (launcher
+side CPU and memory, 8 ranks at 10 Hz), goodput (fault-free wall / wall under a kill and a
+hang). Runs of one measure are interleaved across launchers, so each repeat gives one pair
+of runs per launcher taken under the same load; ratios are per pair.
+
+Writes ``results.json`` and ``RESULTS.md`` to ``--out`` (default: this folder). NVRx is
+installed on first use into ``.bench/nvrx-venv`` (see nvrx_env.py). Every process started is
+ended by pid; everything talks over loopback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.metadata
+import json
+import logging
+import os
+import platform
+import shlex
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import measures  # noqa: E402
+import nvrx_env  # noqa: E402
+import report  # noqa: E402
+from measures import Context, Launchers, Settings  # noqa: E402
+
+log = logging.getLogger("bench")
+
+ALL_MEASURES = ("heartbeat", "hang", "crash", "startup", "footprint", "goodput")
+ALL_LAUNCHERS = ("ours", "torchrun", "nvrx")
+# torchrun has no heartbeat client and no monitor: nothing to measure for these two.
+CLIENT_MEASURES = ("heartbeat", "footprint")
+
+PROFILES: dict[str, Settings] = {
+    "full": Settings(),
+    "quick": Settings(repeat=3, hang_bound_s=10.0, crash_bound_s=45.0, footprint_window_s=5.0,
+                      train_steps=150, goodput_bound_s=45.0),
+    # For the test suite: every code path of the driver once, as fast as the machine allows;
+    # the training is the workload's torch-free variant (its numbers mean nothing).
+    "smoke": Settings(repeat=1, hb_calls=300, hang_bound_s=1.0, crash_bound_s=15.0,
+                      settle_s=0.3, footprint_ranks=2, footprint_window_s=0.5,
+                      train_steps=100, ckpt_every=10, step_time=0.01, fault_after_s=0.3,
+                      goodput_bound_s=12.0, start_bound_s=30.0, light=True),
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n".join(__doc__.splitlines()[1:]))
+    p.add_argument("--repeat", type=int, default=None,
+                   help="runs per launcher and measure [5; --quick 3]")
+    p.add_argument("--only", default=",".join(ALL_MEASURES),
+                   help=f"comma-separated measures [{','.join(ALL_MEASURES)}]")
+    p.add_argument("--launchers", default=",".join(ALL_LAUNCHERS),
+                   help=f"comma-separated launchers [{','.join(ALL_LAUNCHERS)}]")
+    p.add_argument("--out", default=str(Path(__file__).resolve().parent),
+                   help="where results.json and RESULTS.md go [scripts/bench]")
+    p.add_argument("--quick", action="store_true", help="3 runs, shorter bounds and windows")
+    p.add_argument("--smoke", action="store_true",
+                   help="one run each with tiny counts (the test suite's check)")
+    p.add_argument("--keep-runs", action="store_true",
+                   help="keep each run's logs and run directories (printed at the end)")
+    p.add_argument("--render", metavar="RESULTS_JSON", default=None,
+                   help="run nothing: recompute the summaries of an earlier results.json "
+                        "and write both files to --out")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    return p.parse_args(argv)
+
+
+def _choice(option: str, text: str, allowed: tuple[str, ...]) -> list[str]:
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in items if x not in allowed]
+    if bad or not items:
+        raise SystemExit(f"error: {option}: expected a comma-separated subset of "
+                         f"{','.join(allowed)}, got {text!r}")
+    return [x for x in allowed if x in items]  # canonical order
+
+
+def machine_info() -> dict[str, Any]:
+    """What the numbers were taken on."""
+    model = platform.processor() or "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu_model": model,
+        "cpus": os.cpu_count(),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "os": f"{platform.system()} {platform.release()}",
+        "python": platform.python_version(),
+        "torch": importlib.metadata.version("torch"),
+        "loadavg_start": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+def method(s: Settings) -> list[str]:
+    """How each figure is taken, with this run's counts and bounds."""
+    work = ("the torch-free variant of scripts/bench/workload.py (--light: a step is a sleep; "
+            "smoke only, its figures mean nothing)" if s.light else
+            "scripts/bench/workload.py, a DDP model (16-32-1 MLP) on gloo over loopback")
+    return [
+        f"Workload: {work}, {s.nproc} local ranks, one heartbeat per step, "
+        f"{s.step_time * 1000:.0f} ms of sleep per step; the same script under every "
+        "launcher, only the client differs (ours: ft_agent.RankMonitorClient; NVRx: "
+        "nvidia_resiliency_ext.fault_tolerance.RankMonitorClient; torchrun: none). Same "
+        "environment for all: GLOO_SOCKET_IFNAME=lo, MASTER_ADDR=127.0.0.1, "
+        "OMP_NUM_THREADS=1.",
+        "Launchers: ours = ft_launcher of this repository; torchrun = python -m "
+        "torch.distributed.run --standalone --local-addr 127.0.0.1 from the same torch; NVRx "
+        "= ft_launcher of nvidia-resiliency-ext 0.4.1 in its own virtualenv "
+        "(.bench/nvrx-venv, same torch and numpy) with --standalone --local-addr 127.0.0.1 "
+        f"--ft-enable-nic-monitor false. Heartbeat timeout {measures.HB_TIMEOUT_S:g} s for "
+        f"ours and NVRx (initial timeout {measures.INITIAL_TIMEOUT_S:g} s); every other "
+        "option at its default (NVRx's workload_check_interval is 5 s).",
+        "Faults are sent by the driver itself, by pid (each worker announces its pid), so "
+        "all three launchers get the same fault the same way.",
+        f"heartbeat: one rank calls send_heartbeat() {s.hb_calls:,} times back to back after "
+        f"{workload_warmup()} untimed calls, each call timed with perf_counter_ns. ours' "
+        "heartbeat is a non-blocking ZeroMQ send; NVRx's writes a pickle to a Unix socket "
+        "and waits for the monitor's reply. torchrun has no client.",
+        f"hang: {s.settle_s:g} s after every rank's first step the driver SIGSTOPs rank 1. "
+        "Verdict time: ours = ts of hang_detected in the run directory's events.jsonl; NVRx "
+        "= timestamp of its rank monitor's log line 'FT timeout elapsed.' (logging's asctime, "
+        "local time, milliseconds); torchrun has no verdict, so it is watched for "
+        f"{s.hang_bound_s:g} s and reported as not detected. 'verdict − SIGSTOP − timeout' "
+        "can be negative by up to one step: the timeout runs from the victim's last "
+        "heartbeat, which came before the signal.",
+        f"crash: {s.settle_s:g} s after every rank's first step the driver SIGKILLs rank 1 "
+        "(--max-restarts 1); the figure ends at the latest first step among the new cycle's "
+        "ranks, bounded by "
+        f"{s.crash_bound_s:g} s. torchrun 2.13 reuses its rendezvous store across restarts "
+        "and its new cycle often fails to form the gloo group (see shared/PEERS.md); such a "
+        "run is reported as not recovered.",
+        "startup: from just before the launcher is spawned to the latest first training step "
+        "among the ranks, taken from the fault-free goodput runs.",
+        f"footprint: {s.footprint_ranks} ranks do nothing but heartbeat at "
+        f"{s.footprint_hz:g} Hz. From 1 s after every rank's first heartbeat, CPU time of the "
+        "launcher-side processes (the launcher and every descendant that is not a worker: "
+        f"NVRx's per-rank monitors) over {s.footprint_window_s:g} s; RSS and PSS "
+        "(psutil memory_full_info) at the end of the window. torchrun has no monitor.",
+        f"goodput: a fixed training ({s.train_steps} steps, checkpoint every {s.ckpt_every} "
+        "steps, resume from it) run once fault-free and once with two faults: SIGKILL of "
+        f"rank 1 {s.fault_after_s:g} s after the first step of cycle 0, SIGSTOP of rank 1 "
+        f"{s.fault_after_s:g} s after the first step of cycle 1 (--max-restarts 3). goodput "
+        "= the launcher's own fault-free wall ÷ its faulted wall; the faulted wall's ratio "
+        "is the goodput ratio against one common fault-free reference. A run that does not "
+        f"finish within {s.goodput_bound_s:g} s counts as that bound (marked ≤ / ≥).",
+    ]
+
+
+def workload_warmup() -> int:
+    import workload
+
+    return workload.WARMUP_CALLS
+
+
+def _measure_plan(selected: list[str]) -> list[tuple[str, Callable[..., dict[str, Any]]]]:
+    plan: list[tuple[str, Callable[..., dict[str, Any]]]] = []
+    for name in selected:
+        if name == "startup" and "goodput" in selected:
+            continue  # the fault-free goodput runs give the start-up figures
+        if name in ("startup", "goodput"):
+            plan.append(("clean", measures.clean))
+            if name == "goodput":
+                plan.append(("faulted", measures.faulted))
+        else:
+            plan.append((name, getattr(measures, name)))
+    return plan
+
+
+def run_all(ctx: Context, selected: list[str], launchers: list[str]
+            ) -> tuple[dict[str, dict[str, list[dict[str, Any]]]], list[str]]:
+    """Run every selected measure ``repeat`` times per launcher, interleaved."""
+    raw: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    leftovers: list[str] = []
+    for kind, fn in _measure_plan(selected):
+        names = [x for x in launchers if not (kind in CLIENT_MEASURES and x == "torchrun")]
+        raw[kind] = {x: [] for x in names}
+        for i in range(ctx.settings.repeat):
+            order = names[i % len(names):] + names[:i % len(names)]  # rotate who goes first
+            for launcher in order:
+                tag = f"{kind}-{launcher}-{i}"
+                before = len(ctx.runs)
+                t0 = time.monotonic()
+                try:
+                    result = fn(ctx, launcher, tag)
+                except Exception as exc:  # one broken run must not lose the others
+                    log.exception("%s failed", tag)
+                    result = {"note": f"error: {type(exc).__name__}: {exc}"}
+                for run in ctx.runs[before:]:
+                    left = run.leftovers()
+                    if left:
+                        leftovers.append(f"{run.name}: {left}")
+                log.info("%-22s %5.1f s  %s", tag, time.monotonic() - t0,
+                         json.dumps(result, sort_keys=True))
+                raw[kind][launcher].append(result)
+    return _derive(raw, selected), leftovers
+
+
+def _derive(raw: dict[str, Any], selected: list[str]) -> dict[str, dict[str, list[Any]]]:
+    """Turn clean/faulted runs into the startup and goodput measures."""
+    out = {k: v for k, v in raw.items() if k not in ("clean", "faulted")}
+    clean = raw.get("clean", {})
+    if "startup" in selected:
+        out["startup"] = {x: [{k: r.get(k) for k in ("startup_s", "spawn_s", "note") if k in r}
+                              for r in runs] for x, runs in clean.items()}
+    if "goodput" in selected:
+        out["goodput"] = {}
+        for x, runs in clean.items():
+            rows = []
+            for c, f in zip(runs, raw["faulted"][x], strict=True):
+                bounded = "wall_s" in (f.get("bounded") or [])
+                row = {"clean_wall_s": c.get("wall_s"), "faulted_wall_s": f.get("wall_s"),
+                       "bounded": ["faulted_wall_s", "goodput"] if bounded else [],
+                       "faults": f.get("faults")}
+                if row["clean_wall_s"] and row["faulted_wall_s"]:
+                    row["goodput"] = round(row["clean_wall_s"] / row["faulted_wall_s"], 4)
+                else:
+                    row["goodput"] = None
+                notes = [n for n in (c.get("note"), f.get("note")) if n]
+                if notes:
+                    row["note"] = "; ".join(notes)
+                rows.append(row)
+            out["goodput"][x] = rows
+    return out
+
+
+def write(doc: dict[str, Any], out: Path) -> None:
+    """Summaries, ratios and targets from the raw figures; results.json and RESULTS.md."""
+    raw = doc["raw"]
+    doc["metrics"] = [report.summarize(m, raw[m.measure]) for m in report.METRICS
+                      if m.measure in raw]
+    doc["targets"] = report.targets(doc["metrics"])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
+    (out / "RESULTS.md").write_text(report.markdown(doc))
+    log.info("wrote %s and %s", out / "results.json", out / "RESULTS.md")
+
+
+def render(path: Path, out: Path) -> int:
+    """--render: the files again from an earlier run's raw figures (nothing is run)."""
+    try:
+        doc = json.loads(path.read_text())
+        doc["raw"]  # noqa: B018 - a results.json has it; anything else is the wrong file
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise SystemExit(f"error: --render: cannot read {path}: {exc!r}") from None
+    write(doc, out)
+    return 0
+
+
+class Interrupted(BaseException):  # not an Exception: a failed run's handler must not eat it
+    """SIGTERM, SIGINT or SIGHUP reached the driver: unwind so every run ends its processes."""
+
+
+def _interrupt(signum: int, _frame: Any) -> None:
+    raise Interrupted(signal.Signals(signum).name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    # Set explicitly: a driver started in the background inherits SIGINT ignored, and the
+    # default SIGTERM would end it without stopping the launchers it started.
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, _interrupt)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="[bench %(asctime)s] %(message)s", stream=sys.stderr)
+    if args.render:
+        return render(Path(args.render), Path(args.out))
+    selected = _choice("--only", args.only, ALL_MEASURES)
+    launchers = _choice("--launchers", args.launchers, ALL_LAUNCHERS)
+    if args.quick and args.smoke:
+        raise SystemExit("error: --quick and --smoke: choose one")
+    profile = "smoke" if args.smoke else "quick" if args.quick else "full"
+    settings = dataclasses.replace(PROFILES[profile])
+    if args.repeat is not None:
+        if args.repeat < 1:
+            raise SystemExit(f"error: --repeat: expected a positive count, got {args.repeat}")
+        settings.repeat = args.repeat
+
+    machine = machine_info()
+    lnch = Launchers.default()
+    if "nvrx" in launchers:
+        try:
+            env = nvrx_env.ensure()
+        except nvrx_env.NvrxEnvError as exc:
+            raise SystemExit(f"error: NVRx baseline: {exc}") from None
+        lnch.nvrx = [str(env.launcher)]
+    root = Path(tempfile.mkdtemp(prefix="ftb-"))  # short: AF_UNIX paths live under it
+    ctx = Context(launchers=lnch, settings=settings, root=root)
+    t0 = time.monotonic()
+    try:
+        raw, leftovers = run_all(ctx, selected, launchers)
+    except Interrupted as exc:
+        log.error("stopped by %s; every run's processes were ended", exc)
+        return 130
+    finally:
+        if not args.keep_runs:
+            shutil.rmtree(root, ignore_errors=True)
+    doc = {
+        "version": 1,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "machine": machine,
+        "command": shlex.join(["python", "scripts/bench/bench.py",
+                               *(argv if argv is not None else sys.argv[1:])]),
+        "profile": profile,
+        "settings": vars(settings),
+        "launchers": launchers,
+        "versions": {"torch": machine["torch"], "nvrx": nvrx_env.NVRX_REQ.split("==")[1]},
+        "duration_s": round(time.monotonic() - t0, 1),
+        "raw": raw,
+        "leftover_processes": leftovers,
+        "method": method(settings),
+    }
+    write(doc, Path(args.out))
+    log.info("took %.0f s", doc["duration_s"])
+    if args.keep_runs:
+        log.info("run directories kept in %s", root)
+    if leftovers:
+        log.error("processes left behind: %s", leftovers)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,381 @@
+"""The six measures. Each function runs one launcher once and returns its figures.
+
+A figure that could not be taken is None, with the reason in ``note`` (for example torchrun
+never detecting a hang within the bound). Times are wall-clock differences between unix
+timestamps written by the workload, the launchers' own records, or the driver just before
+it sent a signal; all on this machine, so one clock.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import psutil
+from runner import JsonlTail, LineTail, Run, base_env, process_status
+
+log = logging.getLogger("bench")
+
+HERE = Path(__file__).resolve().parent
+WORKLOAD = HERE / "workload.py"
+HB_TIMEOUT_S = 2.0  # --ft-rank-heartbeat-timeout for ours and NVRx
+INITIAL_TIMEOUT_S = 120.0  # spawn -> first heartbeat: covers torch imports on a busy machine
+# NVRx's rank monitors log "FT timeout elapsed." when they judge a rank hung, with the
+# logging module's default asctime (local time, milliseconds) in brackets.
+NVRX_VERDICT = "FT timeout elapsed."
+NVRX_TIME_FORMAT = "%Y-%m-%d %H:%M:%S,%f"
+
+
+@dataclass
+class Settings:
+    """Counts, sizes and bounds of one benchmark run (full, --quick or --smoke)."""
+
+    repeat: int = 5
+    hb_calls: int = 10_000
+    nproc: int = 2
+    step_time: float = 0.02
+    settle_s: float = 1.0  # steady training before a fault is injected
+    start_bound_s: float = 120.0  # launcher start -> first step of every rank
+    hang_bound_s: float = 20.0  # how long a launcher gets to notice a SIGSTOPped rank
+    crash_bound_s: float = 60.0  # SIGKILL -> first step of every rank of the next cycle
+    footprint_ranks: int = 8
+    footprint_hz: float = 10.0
+    footprint_window_s: float = 10.0
+    train_steps: int = 200  # goodput and start-up: a fixed training
+    ckpt_every: int = 25
+    fault_after_s: float = 1.5  # goodput: kill (cycle 0) and hang (cycle 1) this long
+    # after the cycle's first step
+    goodput_bound_s: float = 50.0  # wall-clock limit of a run under faults
+    light: bool = False  # smoke only: the training without torch (workload.py --light)
+
+
+@dataclass
+class Launchers:
+    """How to start each launcher; NVRx's path is known once its venv exists."""
+
+    ours: list[str]
+    nvrx: list[str] | None = None
+
+    @staticmethod
+    def default() -> Launchers:
+        script = Path(sys.executable).with_name("ft_launcher")
+        ours = [str(script)] if script.exists() else [sys.executable, "-m", "ft_launcher.cli"]
+        return Launchers(ours=ours)
+
+    def argv(self, name: str, nproc: int, max_restarts: int, workdir: Path,
+             workload_args: list[str]) -> list[str]:
+        """The launcher's command line with the workload and the client that goes with it."""
+        n, r = str(nproc), str(max_restarts)
+        hb, init = str(HB_TIMEOUT_S), str(INITIAL_TIMEOUT_S)
+        if name == "ours":
+            head = [*self.ours, "--nproc-per-node", n, "--max-restarts", r,
+                    "--master-addr", "127.0.0.1", "--ft-run-dir", str(workdir / "ft_run"),
+                    "--ft-rank-heartbeat-timeout", hb, "--ft-initial-rank-heartbeat-timeout",
+                    init]
+            client = "ours"
+        elif name == "torchrun":
+            head = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    "--local-addr", "127.0.0.1", "--nproc-per-node", n, "--max-restarts", r]
+            client = "none"
+        elif name == "nvrx":
+            assert self.nvrx is not None, "NVRx venv not prepared"
+            head = [*self.nvrx, "--standalone", "--local-addr", "127.0.0.1",
+                    "--nproc-per-node", n, "--max-restarts", r,
+                    "--ft-rank-heartbeat-timeout", hb,
+                    "--ft-initial-rank-heartbeat-timeout", init,
+                    "--ft-enable-nic-monitor", "false"]
+            client = "nvrx"
+        else:
+            raise ValueError(f"unknown launcher {name!r}")
+        events = str(workdir / "events.jsonl")
+        return [*head, str(WORKLOAD), "--events", events, "--client", client, *workload_args]
+
+
+@dataclass
+class Context:
+    """What every measure needs: launchers, settings, and where runs keep their files."""
+
+    launchers: Launchers
+    settings: Settings
+    root: Path  # a fresh directory per run is made under it
+    runs: list[Run] = field(default_factory=list)  # every run started, for the cleanup check
+
+    def run(self, tag: str, launcher: str, nproc: int, max_restarts: int,
+            workload_args: list[str]) -> Run:
+        workdir = self.root / tag
+        argv = self.launchers.argv(launcher, nproc, max_restarts, workdir, workload_args)
+        run = Run(name=tag, argv=argv, workdir=workdir, env=base_env(workdir))
+        self.runs.append(run)
+        return run
+
+    def train_args(self, steps: int, ckpt_dir: Path | None = None) -> list[str]:
+        s = self.settings
+        args = ["--mode", "train", "--steps", str(steps), "--step-time", str(s.step_time),
+                "--ckpt-every", str(s.ckpt_every)]
+        if ckpt_dir is not None:
+            args += ["--ckpt-dir", str(ckpt_dir)]
+        if s.light:
+            args.append("--light")
+        return args
+
+
+Result = dict[str, Any]
+ENDLESS_STEPS = 10_000_000  # a training that only a fault ends
+
+
+def _all_started(run: Run, nproc: int, exclude: set[int] | frozenset[int] = frozenset()
+                 ) -> bool:
+    return len(run.first_steps(exclude)) >= nproc
+
+
+def _start_and_wait(run: Run, ctx: Context, nproc: int) -> Result | None:
+    """Wait for every rank's first step; a failure note when it never comes."""
+    if not run.wait(lambda: _all_started(run, nproc), ctx.settings.start_bound_s):
+        return {"note": f"not every rank reached its first step within "
+                        f"{ctx.settings.start_bound_s:.0f} s (exit code {run.exit_code})"}
+    return None
+
+
+# -- 1. heartbeat cost ----------------------------------------------------------------
+
+
+def heartbeat(ctx: Context, launcher: str, tag: str) -> Result:
+    """µs per send_heartbeat() in one worker, ``hb_calls`` calls after a warm-up."""
+    args = ["--mode", "heartbeat", "--calls", str(ctx.settings.hb_calls)]
+    with ctx.run(tag, launcher, 1, 0, args) as run:
+        run.wait(lambda: bool(run.events("hb_stats")), ctx.settings.start_bound_s + 60)
+    stats = run.events("hb_stats")
+    if not stats:
+        return {"p50_us": None, "p99_us": None, "note": f"no hb_stats (exit {run.exit_code})"}
+    s = stats[0]
+    return {"p50_us": s["p50_us"], "p99_us": s["p99_us"], "mean_us": s["mean_us"]}
+
+
+# -- 2. hang detection ----------------------------------------------------------------
+
+
+def hang(ctx: Context, launcher: str, tag: str) -> Result:
+    """SIGSTOP rank 1 during training; time from the signal to the launcher's verdict."""
+    s = ctx.settings
+    bound = HB_TIMEOUT_S + s.hang_bound_s if launcher != "torchrun" else s.hang_bound_s
+    with ctx.run(tag, launcher, s.nproc, 0, ctx.train_args(ENDLESS_STEPS)) as run:
+        failed = _start_and_wait(run, ctx, s.nproc)
+        if failed:
+            return {"detect_s": None, "excess_ms": None, **failed}
+        run.sleep_until(time.time() + s.settle_s)
+        victim = run.pid_of(1)
+        t_sig = run.signal_worker(victim, signal.SIGSTOP)
+        read_verdict = _verdict_reader(launcher, run, t_sig)
+        verdict: Verdict | None = None
+
+        def decided() -> bool:
+            nonlocal verdict
+            verdict = read_verdict()
+            return verdict is not None
+
+        run.wait(decided, bound)
+        victim_state = process_status(victim)
+    if verdict is None:
+        state = "still stopped" if victim_state == psutil.STATUS_STOPPED else \
+            f"victim {victim_state or 'gone'}"
+        return {"detect_s": None, "excess_ms": None,
+                "note": f"not detected within {bound:.0f} s ({state})"}
+    detect = verdict.t - t_sig
+    out = {"detect_s": round(detect, 4), "excess_ms": round((detect - HB_TIMEOUT_S) * 1000, 1)}
+    if verdict.silence_s is not None:
+        out["lag_ms"] = round((verdict.silence_s - HB_TIMEOUT_S) * 1000, 1)
+    return out
+
+
+@dataclass
+class Verdict:
+    """When a launcher judged a rank hung and, where it records it, how long the rank had
+    been silent by then (so the lag past the timeout needs no guess at the last heartbeat)."""
+
+    t: float
+    silence_s: float | None = None
+
+
+def _verdict_reader(launcher: str, run: Run, t_sig: float) -> Callable[[], Verdict | None]:
+    """A callable returning the verdict once the launcher recorded one."""
+    found: list[Verdict] = []
+    if launcher == "ours":
+        tail = JsonlTail(run.workdir / "ft_run" / "events.jsonl")
+
+        def ours() -> Verdict | None:
+            found.extend(Verdict(r["ts"], r.get("silence_s")) for r in tail.read()
+                         if r.get("event") == "hang_detected")
+            return found[0] if found else None
+
+        return ours
+    if launcher == "nvrx":
+        lines = LineTail(run.log_path)
+
+        def nvrx() -> Verdict | None:
+            for line in lines.read():
+                t = _nvrx_log_time(line) if NVRX_VERDICT in line else None
+                if t is not None and t >= t_sig - 0.01:
+                    found.append(Verdict(t))
+            return found[0] if found else None
+
+        return nvrx
+    return lambda: None  # torchrun has no hang detection
+
+
+def _nvrx_log_time(line: str) -> float | None:
+    """Unix time of an NVRx log line ``[2026-11-29 10:05:48,193] [WARNING] ...``."""
+    if not line.startswith("["):
+        return None
+    stamp = line[1:line.find("]")]
+    try:
+        return datetime.strptime(stamp, NVRX_TIME_FORMAT).timestamp()
+    except ValueError:
+        return None
+
+
+# -- 3. crash recovery ----------------------------------------------------------------
+
+
+def crash(ctx: Context, launcher: str, tag: str) -> Result:
+    """SIGKILL rank 1; time to the first training step of every rank of the next cycle."""
+    s = ctx.settings
+    with ctx.run(tag, launcher, s.nproc, 1, ctx.train_args(ENDLESS_STEPS)) as run:
+        failed = _start_and_wait(run, ctx, s.nproc)
+        if failed:
+            return {"recovery_s": None, **failed}
+        run.sleep_until(time.time() + s.settle_s)
+        old = run.worker_pids()
+        t_kill = run.signal_worker(run.pid_of(1), signal.SIGKILL)
+        if not run.wait(lambda: _all_started(run, s.nproc, old), s.crash_bound_s):
+            return {"recovery_s": None, "launcher_exit": run.exit_code,
+                    "note": f"not recovered within {s.crash_bound_s:.0f} s"}
+        t_first = max(r["t"] for r in run.first_steps(old).values())
+        t_spawn = max(r["t"] for r in run.events("pid") if r["pid"] not in old)
+    return {"recovery_s": round(t_first - t_kill, 4), "respawn_s": round(t_spawn - t_kill, 4)}
+
+
+# -- 4. start-up and the fault-free half of 6. goodput ----------------------------------
+
+
+def clean(ctx: Context, launcher: str, tag: str) -> Result:
+    """The fixed training without faults: start-up time and wall time."""
+    s = ctx.settings
+    workdir = ctx.root / tag
+    with ctx.run(tag, launcher, s.nproc, 0, ctx.train_args(s.train_steps, workdir / "ckpt")
+                 ) as run:
+        failed = _start_and_wait(run, ctx, s.nproc)
+        if failed:
+            return {"startup_s": None, "wall_s": None, **failed}
+        startup = max(r["t"] for r in run.first_steps().values()) - run.t_start
+        spawn = min(r["t"] for r in run.events("pid")) - run.t_start
+        exited = run.wait_exit(s.goodput_bound_s)
+    done = len(run.events("done"))
+    if not exited or run.exit_code != 0 or done < s.nproc:
+        return {"startup_s": round(startup, 4), "spawn_s": round(spawn, 4), "wall_s": None,
+                "note": f"fault-free run did not finish (exit {run.exit_code}, "
+                        f"{done}/{s.nproc} ranks done)"}
+    assert run.t_exit is not None
+    return {"startup_s": round(startup, 4), "spawn_s": round(spawn, 4),
+            "wall_s": round(run.t_exit - run.t_start, 4)}
+
+
+# -- 6. goodput under faults ----------------------------------------------------------
+
+
+def faulted(ctx: Context, launcher: str, tag: str) -> Result:
+    """The fixed training with a kill in cycle 0 and a hang in cycle 1, bounded in time."""
+    s = ctx.settings
+    workdir = ctx.root / tag
+    bound = s.goodput_bound_s
+    steps: list[str] = []
+    with ctx.run(tag, launcher, s.nproc, 3, ctx.train_args(s.train_steps, workdir / "ckpt")
+                 ) as run:
+        deadline = time.monotonic() + bound
+        seen: set[int] = set()
+        for fault in (signal.SIGKILL, signal.SIGSTOP):
+            left = deadline - time.monotonic()
+            if not run.wait(lambda ex=frozenset(seen): _all_started(run, s.nproc, ex), left):
+                break
+            t_first = max(r["t"] for r in run.first_steps(frozenset(seen)).values())
+            run.sleep_until(t_first + s.fault_after_s)
+            seen |= run.worker_pids()
+            if len(run.events("done")):
+                steps.append(f"{signal.Signals(fault).name} missed: training already done")
+                break
+            run.signal_worker(run.pid_of(1), fault)
+            steps.append(signal.Signals(fault).name)
+        run.wait_exit(max(0.0, deadline - time.monotonic()))
+    finished = run.exit_code == 0 and len(run.events("done")) >= s.nproc \
+        and run.t_exit is not None and run.t_exit - run.t_start <= bound
+    if not finished:
+        return {"wall_s": bound, "bounded": ["wall_s"], "faults": steps,
+                "note": f"did not finish within {bound:.0f} s"}
+    assert run.t_exit is not None
+    return {"wall_s": round(run.t_exit - run.t_start, 4), "bounded": [], "faults": steps}
+
+
+# -- 5. footprint ---------------------------------------------------------------------
+
+
+def footprint(ctx: Context, launcher: str, tag: str) -> Result:
+    """Launcher-side CPU and memory while ``footprint_ranks`` ranks heartbeat at 10 Hz."""
+    s = ctx.settings
+    n = s.footprint_ranks
+    duration = s.start_bound_s + s.footprint_window_s + 30  # the workers end by themselves
+    args = ["--mode", "idle", "--hz", str(s.footprint_hz), "--duration", str(duration)]
+    with ctx.run(tag, launcher, n, 0, args) as run:
+        if not run.wait(lambda: len(run.events("ready")) >= n, s.start_bound_s):
+            return {"cpu_pct": None, "rss_mb": None, "pss_mb": None,
+                    "note": f"{len(run.events('ready'))}/{n} ranks ready"}
+        run.sleep_until(time.time() + s.settle_s)
+        assert run.proc is not None
+        side = _launcher_side(run.proc.pid, run.worker_pids())
+        cpu0, t0 = _cpu_seconds(side), time.monotonic()
+        time.sleep(s.footprint_window_s)
+        cpu1, t1 = _cpu_seconds(side), time.monotonic()
+        rss, pss = _memory(side)
+    return {"cpu_pct": round(100 * (cpu1 - cpu0) / (t1 - t0), 2),
+            "rss_mb": round(rss / 2**20, 1), "pss_mb": round(pss / 2**20, 1),
+            "processes": len(side)}
+
+
+def _launcher_side(launcher_pid: int, workers: set[int]) -> list[psutil.Process]:
+    """The launcher and its descendants, less the workers and their descendants."""
+    root = psutil.Process(launcher_pid)
+    excluded = set(workers)
+    for pid in workers:
+        try:
+            excluded |= {c.pid for c in psutil.Process(pid).children(recursive=True)}
+        except psutil.Error:
+            pass
+    return [p for p in [root, *root.children(recursive=True)] if p.pid not in excluded]
+
+
+def _cpu_seconds(procs: list[psutil.Process]) -> float:
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
+
+
+def _memory(procs: list[psutil.Process]) -> tuple[int, int]:
+    rss = pss = 0
+    for p in procs:
+        try:
+            info = p.memory_full_info()
+        except psutil.Error:
+            continue
+        rss += info.rss
+        pss += getattr(info, "pss", info.rss)
+    return rss, pss

@@ -1,0 +1,208 @@
+"""Summaries, per-pair ratios, targets, and the Markdown table of a benchmark run."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+LAUNCHER_TITLES = {"ours": "ours", "torchrun": "torchrun", "nvrx": "NVRx 0.4.1"}
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One row of the table: which figure of which measure, and which way is better."""
+
+    measure: str
+    key: str
+    label: str
+    unit: str
+    better: str = "lower"  # or "higher"
+    ratio: bool = True  # False where a ratio means nothing (a value near zero)
+    digits: int = 2
+
+
+METRICS = [
+    Metric("heartbeat", "p50_us", "send_heartbeat() p50", "µs", digits=1),
+    Metric("heartbeat", "p99_us", "send_heartbeat() p99", "µs", digits=1),
+    Metric("hang", "excess_ms", "hang verdict − SIGSTOP − 2 s timeout", "ms", ratio=False,
+           digits=0),
+    Metric("hang", "lag_ms", "hang verdict − last heartbeat − 2 s timeout (launcher's record)",
+           "ms", ratio=False, digits=1),
+    Metric("hang", "detect_s", "SIGSTOP → hang verdict", "s"),
+    Metric("crash", "recovery_s", "SIGKILL → first step of every rank, next cycle", "s"),
+    Metric("crash", "respawn_s", "of which SIGKILL → every new worker running", "s"),
+    Metric("startup", "startup_s", "launcher start → first step of every rank", "s"),
+    Metric("startup", "spawn_s", "of which launcher start → first worker running", "s"),
+    Metric("footprint", "cpu_pct", "launcher-side CPU, 8 ranks heartbeating at 10 Hz",
+           "% of a core"),
+    Metric("footprint", "pss_mb", "launcher-side PSS, same", "MB", digits=0),
+    Metric("footprint", "rss_mb", "launcher-side RSS, same", "MB", digits=0),
+    Metric("goodput", "goodput", "goodput: fault-free wall ÷ wall with a kill and a hang", "",
+           better="higher"),
+    Metric("goodput", "faulted_wall_s", "wall time with a kill and a hang", "s"),
+    Metric("goodput", "clean_wall_s", "wall time fault-free", "s"),
+]
+
+
+def _values(results: list[dict[str, Any]], key: str) -> list[float | None]:
+    return [r.get(key) for r in results]
+
+
+def summarize(metric: Metric, raw: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """min / median / max per launcher and the per-pair ratio to ours."""
+    out: dict[str, Any] = {"measure": metric.measure, "metric": metric.key,
+                           "label": metric.label, "unit": metric.unit, "better": metric.better,
+                           "summary": {}, "ratio_vs_ours": {}}
+    for launcher, results in raw.items():
+        values = _values(results, metric.key)
+        ok = [v for v in values if v is not None]
+        notes = sorted({r["note"] for r in results if r.get(metric.key) is None and "note" in r})
+        entry: dict[str, Any] = {"n": len(values), "n_ok": len(ok), "samples": values,
+                                 "bounded": any(metric.key in (r.get("bounded") or [])
+                                                for r in results)}
+        if ok:
+            entry.update(min=min(ok), median=statistics.median(ok), max=max(ok))
+        if notes:
+            entry["notes"] = notes
+        out["summary"][launcher] = entry
+    ours = raw.get("ours")
+    if not metric.ratio or ours is None:
+        return out
+    for launcher, results in raw.items():
+        if launcher == "ours":
+            continue
+        ratios = []
+        for mine, theirs in zip(_values(ours, metric.key), _values(results, metric.key),
+                                strict=False):
+            if mine is None or theirs is None or mine <= 0 or theirs <= 0:
+                continue
+            ratios.append(theirs / mine if metric.better == "lower" else mine / theirs)
+        if ratios:
+            out["ratio_vs_ours"][launcher] = {
+                "n": len(ratios), "min": min(ratios), "median": statistics.median(ratios),
+                "max": max(ratios), "bounded": out["summary"][launcher]["bounded"],
+                "samples": [round(r, 4) for r in ratios]}
+    return out
+
+
+def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The issue's targets, each with the figure it is judged on and whether it is met."""
+    by_key = {(r["measure"], r["metric"]): r for r in rows}
+    out = []
+
+    def ratio(measure: str, key: str, other: str) -> float | None:
+        row = by_key.get((measure, key))
+        r = row["ratio_vs_ours"].get(other) if row else None
+        return r["median"] if r else None
+
+    hb = ratio("heartbeat", "p50_us", "nvrx")
+    if hb is not None:
+        out.append({"target": "heartbeat cost at least 10× below NVRx's (p50)",
+                    "value": round(hb, 1), "met": hb >= 10})
+    for key, what in (("excess_ms", "signal"), ("lag_ms", "last heartbeat")):
+        row = by_key.get(("hang", key))
+        ours = row["summary"].get("ours") if row else None
+        if ours and ours["n_ok"]:
+            worst = max(abs(v) for v in ours["samples"] if v is not None)
+            out.append({"target": f"hang verdict within 50 ms of the timeout, counted from "
+                                  f"the {what} (worst run, ms)",
+                        "value": worst, "met": worst <= 50 and ours["n_ok"] == ours["n"]})
+    for measure, key, what in (("crash", "recovery_s", "crash recovery"),
+                               ("startup", "startup_s", "start-up"),
+                               ("goodput", "goodput", "goodput")):
+        for other in ("torchrun", "nvrx"):
+            r = ratio(measure, key, other)
+            if r is not None:
+                out.append({"target": f"{what} ahead of {LAUNCHER_TITLES[other]} "
+                                      f"(median per-pair ratio > 1)",
+                            "value": round(r, 2), "met": r > 1})
+    return out
+
+
+def _fmt(value: float, digits: int) -> str:
+    return f"{value:,.{digits}f}"
+
+
+def _cell(entry: dict[str, Any] | None, metric: Metric) -> str:
+    if entry is None:
+        return "—"
+    if not entry["n_ok"]:
+        if "notes" not in entry:
+            return "—"  # not a figure this launcher records
+        return "; ".join(entry["notes"]) + f" [{entry['n']}/{entry['n']} runs]"
+    d = metric.digits
+    mark = ""
+    if entry["bounded"]:
+        mark = "≤ " if metric.better == "higher" else "≥ "
+    text = f"{mark}{_fmt(entry['median'], d)} ({_fmt(entry['min'], d)}–{_fmt(entry['max'], d)})"
+    if entry["n_ok"] < entry["n"]:
+        text += f"; {entry['n'] - entry['n_ok']}/{entry['n']} runs: " + \
+            "; ".join(entry.get("notes", []))
+    return text
+
+
+def _ratio_cell(entry: dict[str, Any] | None, repeat: int) -> str:
+    if entry is None:
+        return "—"
+    mark = "≥ " if entry["bounded"] else ""
+    text = f"{mark}×{entry['median']:.2f} ({entry['min']:.2f}–{entry['max']:.2f})"
+    if entry["n"] < repeat:
+        text += f", {entry['n']} of {repeat} pairs"
+    return text
+
+
+def behind(rows: list[dict[str, Any]]) -> list[str]:
+    """Rows where ours is not ahead: by the median ratio, or in single pairs of runs."""
+    out = []
+    for row in rows:
+        for other, r in row["ratio_vs_ours"].items():
+            low = [x for x in r["samples"] if x < 1]
+            if r["median"] <= 1:
+                out.append(f"{row['label']}: behind {LAUNCHER_TITLES[other]}, median ratio "
+                           f"×{r['median']:.2f}")
+            elif low:
+                out.append(f"{row['label']}: behind {LAUNCHER_TITLES[other]} in {len(low)} of "
+                           f"{r['n']} pairs (lowest ×{min(low):.2f}), ahead by the median")
+    return out
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    """The results page: date, machine, command, the table, targets and notes."""
+    launchers = doc["launchers"]
+    others = [x for x in launchers if x != "ours"]
+    m = doc["machine"]
+    lines = [
+        "# Benchmark: ft_launcher vs torchrun vs NVRx",
+        "",
+        f"- date: {doc['date']}",
+        f"- machine: {m['cpu_model']}, {m['cpus']} CPUs, {m['memory_gib']} GiB, "
+        f"{m['os']}; Python {m['python']}, torch {m['torch']}; load average at start "
+        f"{m['loadavg_start']}",
+        f"- command: `{doc['command']}`",
+        f"- {doc['settings']['repeat']} runs per launcher and measure, interleaved; "
+        f"cells are median (min–max) over runs; ratios are taken per pair of runs of the "
+        f"same repeat, then median (min–max); a ratio > 1 means ours is better.",
+        "",
+    ]
+    head = ["measure", "unit", *(LAUNCHER_TITLES[x] for x in launchers),
+            *(f"ours ahead of {LAUNCHER_TITLES[x]}" for x in others)]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in doc["metrics"]:
+        metric = next(x for x in METRICS if (x.measure, x.key) == (row["measure"],
+                                                                    row["metric"]))
+        cells = [row["label"], row["unit"] or "ratio"]
+        cells += [_cell(row["summary"].get(x), metric) for x in launchers]
+        cells += [_ratio_cell(row["ratio_vs_ours"].get(x), doc["settings"]["repeat"])
+                  if metric.ratio else "n/a" for x in others]
+        lines.append("| " + " | ".join(cells) + " |")
+    if doc["targets"]:
+        lines += ["", "## Targets", "", "| target | value | met |", "|---|---|---|"]
+        for t in doc["targets"]:
+            lines.append(f"| {t['target']} | {t['value']} | {'yes' if t['met'] else 'NO'} |")
+    lines += ["", "## Where ours is not ahead", ""]
+    lines += [f"- {x}" for x in behind(doc["metrics"])] or ["- nowhere, in any pair of runs"]
+    lines += ["", "## How each figure is taken", ""]
+    lines += [f"- {note}" for note in doc["method"]]
+    lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,193 @@
+"""Keeps the benchmark driver working; never a benchmark (no figure is judged on speed).
+
+The smoke run starts real launchers (ours and torchrun; NVRx needs its own virtualenv, too
+slow to build in the test suite) with the workload's torch-free training variant, puts
+each measure through once with tiny counts, and checks the JSON it writes and that no
+process of it is left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH_DIR = REPO / "scripts" / "bench"
+BENCH = BENCH_DIR / "bench.py"
+SMOKE_TIMEOUT_S = 150
+
+sys.path.insert(0, str(BENCH_DIR))
+import report  # noqa: E402
+
+
+def _procs_mentioning(text: str) -> list[int]:
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if any(text in part for part in p.info["cmdline"] or []):
+                found.append(p.info["pid"])
+        except psutil.Error:
+            pass
+    return found
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
+    """One smoke run of the driver, shared by the checks below."""
+    work = tmp_path_factory.mktemp("bench")
+    out = work / "out"
+    # The driver's run directories go under TMPDIR, so every process it starts has this
+    # test's folder in its command line: that is how leftovers are found below.
+    env = {**os.environ, "TMPDIR": str(work)}
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--smoke", "--launchers", "ours,torchrun",
+         "--out", str(out)],
+        capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S, env=env, cwd=REPO)
+    leftovers = _procs_mentioning(str(work))
+    for pid in leftovers:  # never leave them behind, even when the check below fails
+        try:
+            psutil.Process(pid).kill()
+        except psutil.Error:
+            pass
+    assert not leftovers, f"processes left behind: {leftovers}"
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads((out / "results.json").read_text()), out
+
+
+@pytest.mark.timeout(SMOKE_TIMEOUT_S + 30)
+def test_smoke_json_has_every_measure(smoke: tuple[dict, Path]) -> None:
+    doc, out = smoke
+    for key in ("version", "date", "machine", "command", "settings", "launchers", "metrics",
+                "targets", "raw", "leftover_processes", "method"):
+        assert key in doc, key
+    assert doc["launchers"] == ["ours", "torchrun"]
+    assert doc["leftover_processes"] == []
+    assert set(doc["raw"]) == {"heartbeat", "hang", "crash", "startup", "footprint", "goodput"}
+    # torchrun has no heartbeat client and no monitor process.
+    assert set(doc["raw"]["heartbeat"]) == {"ours"}
+    assert set(doc["raw"]["footprint"]) == {"ours"}
+    for measure in ("hang", "crash", "startup", "goodput"):
+        assert set(doc["raw"][measure]) == {"ours", "torchrun"}, measure
+        for runs in doc["raw"][measure].values():
+            assert len(runs) == doc["settings"]["repeat"] == 1
+    text = (out / "RESULTS.md").read_text()
+    assert "| measure | unit | ours | torchrun | ours ahead of torchrun |" in text
+    assert doc["command"] in text
+
+
+@pytest.mark.timeout(SMOKE_TIMEOUT_S + 30)
+def test_smoke_values_are_sane(smoke: tuple[dict, Path]) -> None:
+    raw = smoke[0]["raw"]
+    hb = raw["heartbeat"]["ours"][0]
+    assert 0 < hb["p50_us"] <= hb["p99_us"] < 10_000
+
+    ours_hang, torchrun_hang = raw["hang"]["ours"][0], raw["hang"]["torchrun"][0]
+    assert 1.5 < ours_hang["detect_s"] < 5.0  # a 2 s timeout; generous for a loaded machine
+    assert abs(ours_hang["excess_ms"] - (ours_hang["detect_s"] - 2) * 1000) < 1
+    assert 0 <= ours_hang["lag_ms"] < 3000  # read from the launcher's hang_detected record
+    assert torchrun_hang["detect_s"] is None and "not detected" in torchrun_hang["note"]
+
+    assert 0 < raw["crash"]["ours"][0]["recovery_s"] < 15
+    tr_crash = raw["crash"]["torchrun"][0]
+    assert tr_crash["recovery_s"] is None or tr_crash["recovery_s"] > 0
+
+    for launcher in ("ours", "torchrun"):
+        assert 0 < raw["startup"][launcher][0]["startup_s"] < 30
+
+    fp = raw["footprint"]["ours"][0]
+    assert fp["processes"] == 1  # our launcher has no helper processes
+    assert fp["cpu_pct"] >= 0 and 0 < fp["pss_mb"] <= fp["rss_mb"]
+
+    ours_gp, tr_gp = raw["goodput"]["ours"][0], raw["goodput"]["torchrun"][0]
+    assert ours_gp["faults"] == ["SIGKILL", "SIGSTOP"], ours_gp
+    assert ours_gp["bounded"] == [] and 0 < ours_gp["goodput"] <= 1.5
+    assert ours_gp["faulted_wall_s"] > ours_gp["clean_wall_s"] * 0.5
+    # torchrun never notices the stopped rank: its faulted run always reaches the bound.
+    assert tr_gp["bounded"] == ["faulted_wall_s", "goodput"]
+    assert tr_gp["faulted_wall_s"] == smoke[0]["settings"]["goodput_bound_s"]
+
+
+def test_summary_pairs_runs_and_orients_ratios() -> None:
+    """Ratios are taken per pair of runs (same repeat), > 1 when ours is better."""
+    lower = report.Metric("crash", "recovery_s", "x", "s")
+    raw = {"ours": [{"recovery_s": 1.0}, {"recovery_s": 2.0}, {"recovery_s": None}],
+           "nvrx": [{"recovery_s": 3.0}, {"recovery_s": 2.0}, {"recovery_s": 9.0}]}
+    row = report.summarize(lower, raw)
+    assert row["summary"]["ours"]["n_ok"] == 2
+    assert row["summary"]["nvrx"]["median"] == 3.0
+    ratio = row["ratio_vs_ours"]["nvrx"]
+    assert ratio["samples"] == [3.0, 1.0] and ratio["median"] == 2.0  # the None pair dropped
+
+    higher = report.Metric("goodput", "goodput", "x", "", better="higher")
+    row = report.summarize(higher, {"ours": [{"goodput": 0.8}],
+                                    "torchrun": [{"goodput": 0.2, "bounded": ["goodput"]}]})
+    assert row["ratio_vs_ours"]["torchrun"]["median"] == pytest.approx(4.0)
+    assert row["ratio_vs_ours"]["torchrun"]["bounded"] is True
+
+
+def test_bad_option_is_one_clear_line() -> None:
+    proc = subprocess.run([sys.executable, str(BENCH), "--only", "heartbeat,speed"],
+                          capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "error: --only: expected a comma-separated subset of "
+        "heartbeat,hang,crash,startup,footprint,goodput, got 'heartbeat,speed'"]
+
+
+@pytest.mark.timeout(90)
+def test_sigterm_to_the_driver_ends_every_process(tmp_path: Path) -> None:
+    """Stopping the driver mid-run still ends the launcher and workers it started."""
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    driver = subprocess.Popen(
+        [sys.executable, str(BENCH), "--smoke", "--only", "hang", "--launchers", "ours",
+         "--out", str(tmp_path / "out")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    try:
+        deadline = time.monotonic() + 60
+        workers: list[int] = []
+        while time.monotonic() < deadline and not workers:
+            workers = [pid for pid in _procs_mentioning(str(tmp_path))
+                       if pid != driver.pid and _is_workload(pid)]
+            time.sleep(0.05)
+        assert workers, "the driver never started a worker"
+        driver.send_signal(signal.SIGTERM)
+        _, err = driver.communicate(timeout=30)
+        assert driver.returncode == 130, err[-2000:]
+        assert "stopped by SIGTERM" in err
+        assert not (tmp_path / "out" / "results.json").exists()
+        assert _procs_mentioning(str(tmp_path)) == []
+    finally:
+        for pid in [driver.pid, *_procs_mentioning(str(tmp_path))]:
+            try:
+                psutil.Process(pid).kill()
+            except psutil.Error:
+                pass
+        driver.wait(10)
+
+
+def _is_workload(pid: int) -> bool:
+    try:
+        return any(part.endswith("workload.py") for part in psutil.Process(pid).cmdline())
+    except psutil.Error:
+        return False
+
+
+def test_render_rebuilds_the_same_files(smoke: tuple[dict, Path], tmp_path: Path) -> None:
+    """--render recomputes summaries from the raw figures alone, running nothing."""
+    _, out = smoke
+    proc = subprocess.run([sys.executable, str(BENCH), "--render", str(out / "results.json"),
+                           "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "RESULTS.md").read_text() == (out / "RESULTS.md").read_text()
+    again = json.loads((tmp_path / "results.json").read_text())
+    assert again["metrics"] == json.loads((out / "results.json").read_text())["metrics"]
