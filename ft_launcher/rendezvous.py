@@ -78,7 +78,7 @@ class StaticRendezvous:
     def num_nodes_waiting(self) -> int:
         return 0
 
-    def exit_barrier(self, timeout: float = 300.0) -> None:
+    def exit_barrier(self, wait: bool, timeout: float = 300.0) -> None:
         pass
 
     def shutdown(self) -> None:
@@ -153,9 +153,10 @@ class C10dRendezvous:
             log.warning("rendezvous: cannot read waiting nodes: %s", exc)
             return 0
 
-    def exit_barrier(self, timeout: float = 300.0) -> None:
-        """Wait until every node of the round finished, so none closes the rendezvous
-        while another is still in it (its next_rendezvous would fail)."""
+    def exit_barrier(self, wait: bool, timeout: float = 300.0) -> None:
+        """Say this node is leaving; with ``wait``, also wait until every node of the round
+        left, so a finished node does not close the rendezvous while another is still in
+        it (that node's next_rendezvous would fail). A node that gives up only says so."""
         if self._round is None:
             return
         store, nodes = self._round
@@ -163,13 +164,13 @@ class C10dRendezvous:
         deadline = time.monotonic() + timeout
         try:
             done = store.add(key, 1)
-            while done < nodes and time.monotonic() < deadline:
+            while wait and done < nodes and time.monotonic() < deadline:
                 time.sleep(0.05)
                 done = store.add(key, 0)
         except Exception as exc:  # the store's host may already be gone: nothing to wait for
             log.debug("exit barrier: %s", exc)
             return
-        if done < nodes:
+        if wait and done < nodes:
             log.warning("exit barrier: %d of %d nodes finished after %.0f s", done, nodes,
                         timeout)
 

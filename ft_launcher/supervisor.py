@@ -166,6 +166,8 @@ class Supervisor:
                 self.event("decision", outcome=result.outcome.value, restart=decision.restart,
                            exit_code=decision.exit_code, reason=decision.reason)
                 if not decision.restart:
+                    if result.outcome is not Outcome.SIGNALED:
+                        self.rdzv.exit_barrier(wait=result.outcome is Outcome.SUCCEEDED)
                     break
                 policy.apply(decision, self.job)
                 self.cycle += 1
@@ -221,8 +223,6 @@ class Supervisor:
             group.stop(grace, signum)
         group.kill_all()  # exited leaders may have left children in their groups
         self.monitor.handle_messages()  # reports sent while the group was being stopped
-        if result.outcome is Outcome.SUCCEEDED:
-            self.rdzv.exit_barrier()
         for w in group.workers:
             if w.exit_code is not None and not w.reported:
                 self._report_exit(w, stopped=True)

@@ -160,7 +160,10 @@ def decide(inp: Inputs) -> Decision:
 
 def _after_failure(inp: Inputs) -> Decision:
     """Some launcher failed: stop if one says so, else requeue without its bad nodes."""
-    code = 0  # the first failing node's own code; srun's status says less (e.g. 143)
+    # The job's code is a failing node's own code (srun's status says less), preferring one
+    # that failed by itself over one stopped by a signal (128+N), which srun's
+    # --kill-on-bad-exit sends the other nodes after the first failure.
+    codes: list[int] = []
     known = sorted(set(inp.partition_nodes) | set(inp.excluded) | {r.node for r in inp.nodes})
     hosts = _host_map(inp.nodes)
     reasons: list[str] = []
@@ -183,9 +186,9 @@ def _after_failure(inp: Inputs) -> Decision:
         if unmapped:
             reasons.append(f"{r.node}: cannot map {','.join(unmapped)} to Slurm nodes, "
                            "not excluded")
-        if code == 0:
-            code = node_code
-    code = code or inp.launcher_exit or 1
+        codes.append(node_code)
+    own = [c for c in codes if c < 128]
+    code = (own or codes or [inp.launcher_exit or 1])[0]
     return _requeue_or_stop(inp, code, "; ".join(reasons) or f"launcher exit {code}",
                             new_excludes)
 
