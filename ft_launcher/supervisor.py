@@ -348,7 +348,8 @@ class Supervisor:
         return None
 
     def _check_exits(self, group: WorkerGroup) -> CycleResult | None:
-        failures = [self._report_exit(w) for w in group.poll() if w.exit_code != 0]
+        exits = [(w, self._report_exit(w)) for w in group.poll()]
+        failures = [info for w, info in exits if w.exit_code != 0]
         if not failures:
             return None if group.alive() else CycleResult(self.cycle, Outcome.SUCCEEDED)
         if any(f["signal"] in TERMINATING_SIGNAL_NAMES for f in failures):

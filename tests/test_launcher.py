@@ -52,6 +52,9 @@ def test_clean_run_exits_0_with_torchrun_environment(run_dir):
         assert env["FT_ENDPOINT"].startswith("ipc://")
         assert (run_dir / "logs" / "cycle_0" / f"rank_{rank}.log").read_text().strip() \
             == f"rank {rank} says hello"
+    exited = named(events(run_dir), "worker_exited")
+    assert sorted((e["rank"], e["exit_code"], e["stopped_by_launcher"]) for e in exited) == \
+        [(0, 0, False), (1, 0, False)]
     names = [e["event"] for e in events(run_dir)]
     for name in ("launcher_started", "rendezvous_done", "workers_started", "worker_exited",
                  "launcher_exited"):
