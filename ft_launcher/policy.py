@@ -105,7 +105,8 @@ class Decision:
     exclude_device: int | None = None
 
 
-def _exit(code: int, reason: str, requeue: bool, exclude: list[str] | None = None) -> Decision:
+def stop(code: int, reason: str, requeue: bool, exclude: list[str] | None = None) -> Decision:
+    """A decision to exit with ``code`` and tell the scheduler what to do next."""
     return Decision(
         restart=False,
         reason=reason,
@@ -117,7 +118,7 @@ def _exit(code: int, reason: str, requeue: bool, exclude: list[str] | None = Non
 def _restart_or_exhausted(state: JobState, reason: str) -> Decision:
     if state.restarts < state.max_restarts:
         return Decision(restart=True, reason=reason)
-    return _exit(
+    return stop(
         EXIT_FAILURE,
         f"{reason}; restarts exhausted ({state.restarts} of {state.max_restarts})",
         requeue=True,
@@ -136,7 +137,7 @@ def _decide_17(result: CycleResult, state: JobState) -> Decision:
     verdict = _verdict(result.diagnoses)
     here = [state.host]
     if verdict is None:
-        return _exit(EXIT_FAILED_VALIDATION, "exit 17 without a diagnosis from the rank",
+        return stop(EXIT_FAILED_VALIDATION, "exit 17 without a diagnosis from the rank",
                      requeue=False)
     diagnostic = verdict["diagnostic"]
     where = f"iteration {verdict.get('iteration')}"
@@ -151,7 +152,7 @@ def _decide_17(result: CycleResult, state: JobState) -> Decision:
                 reason=f"persistent error at {where} on device {device}; excluding it",
                 exclude_device=device,
             )
-        return _exit(
+        return stop(
             EXIT_FAILED_VALIDATION,
             f"persistent error at {where} on device {verdict.get('suspicious_device')} of "
             f"{state.host}; no spare device here",
@@ -161,7 +162,7 @@ def _decide_17(result: CycleResult, state: JobState) -> Decision:
     if state.skip_bad_iterations:
         return _restart_or_exhausted(state, f"{where} gives the same result on other "
                                      "hardware (bad data); restart to skip it")
-    return _exit(
+    return stop(
         EXIT_FAILED_VALIDATION,
         f"{where} failed validation with the same result on other hardware: the data, not "
         "the hardware; stopping (use --ft-skip-bad-iterations to skip it)",
@@ -185,7 +186,7 @@ def _no_progress(result: CycleResult, state: JobState) -> Decision | None:
         state.cycles_without_progress = 0
     state.last_iteration = result.progress_iteration
     if state.cycles_without_progress >= state.max_no_progress_cycles:
-        return _exit(
+        return stop(
             EXIT_NO_PROGRESS,
             f"no progress past iteration {result.progress_iteration} in "
             f"{state.cycles_without_progress} cycles",
@@ -198,16 +199,16 @@ def decide(result: CycleResult, state: JobState) -> Decision:
     """The decision for a finished cycle (see the module table)."""
     outcome = result.outcome
     if outcome is Outcome.SUCCEEDED:
-        return _exit(EXIT_SUCCESS, "all workers finished with 0", requeue=False)
+        return stop(EXIT_SUCCESS, "all workers finished with 0", requeue=False)
     if outcome is Outcome.SIGNALED:
         name = signal.Signals(result.signum).name if result.signum else "a signal"
-        return _exit(128 + (result.signum or 0), f"launcher received {name}",
+        return stop(128 + (result.signum or 0), f"launcher received {name}",
                      requeue=result.signum == signal.SIGTERM)
     if outcome is Outcome.CONTROL:
         if result.control == "exclude_node":
-            return _exit(EXIT_FAILURE, "a rank asked to exclude this node", requeue=True,
+            return stop(EXIT_FAILURE, "a rank asked to exclude this node", requeue=True,
                          exclude=[state.host])
-        return _exit(EXIT_FAILURE, "a rank asked to shut the workload down", requeue=False)
+        return stop(EXIT_FAILURE, "a rank asked to shut the workload down", requeue=False)
     if outcome is Outcome.PEER_CHANGED:
         return Decision(restart=True, reason="other nodes re-joined the rendezvous",
                         counted=False)
@@ -228,7 +229,7 @@ def decide(result: CycleResult, state: JobState) -> Decision:
                 reason="exit 16: re-run the step from the checkpoint on rotated devices",
                 rotate=True,
             )
-        return _exit(
+        return stop(
             EXIT_RESUME_ELSEWHERE,
             "exit 16: the step must be re-run on other hardware and no other device is "
             f"left on {state.host}",

@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -110,11 +111,15 @@ class Supervisor:
     def _socket_path(self) -> Path:
         path = self.rundir.private / "monitor.sock"
         if len(str(path)) > 100:  # AF_UNIX paths are limited to about 107 bytes
-            import tempfile
-
-            path = Path(tempfile.mkdtemp(prefix="ft_")) / "monitor.sock"
+            path = Path(tempfile.mkdtemp(prefix="ft_")) / "monitor.sock"  # private (0700)
         path.unlink(missing_ok=True)
         return path
+
+    def _remove_socket(self) -> None:
+        path = Path(self.monitor.endpoint[len("ipc://"):])
+        path.unlink(missing_ok=True)
+        if path.parent != self.rundir.private:
+            shutil.rmtree(path.parent, ignore_errors=True)
 
     def _make_rendezvous(self) -> StaticRendezvous | C10dRendezvous:
         cfg = self.cfg
@@ -178,14 +183,14 @@ class Supervisor:
             decision = policy.decide(result, self.job)
         except Exception as exc:  # an internal failure still leaves a summary behind
             log.exception("cycle %d: launcher error", self.cycle)
-            decision = policy._exit(policy.EXIT_FAILURE, f"launcher error: {exc}", requeue=True)
+            decision = policy.stop(policy.EXIT_FAILURE, f"launcher error: {exc}", requeue=True)
         finally:
             if self.group is not None:
                 self.group.kill_all()
             self.standbys.close()
             self.monitor.close()
             self.rdzv.shutdown()
-            Path(self.monitor.endpoint[len("ipc://"):]).unlink(missing_ok=True)
+            self._remove_socket()
         assert decision is not None and decision.exit_code is not None
         self._write_summary(decision, result)
         self.event("launcher_exited", exit_code=decision.exit_code, reason=decision.reason)
