@@ -1,9 +1,10 @@
 """Keeps the benchmark driver working; never a benchmark (no figure is judged on speed).
 
-The smoke run starts real launchers (ours and torchrun; NVRx needs its own virtualenv, too
-slow to build in the test suite) with the workload's torch-free training variant, puts
-each measure through once with tiny counts, and checks the JSON it writes and that no
-process of it is left behind.
+The smoke run starts real launchers (ours, ours-warm and torchrun; NVRx needs its own
+virtualenv, too slow to build in the test suite) with the workload's torch-free training
+variant, puts each measure through once with tiny counts, and checks the JSON it writes and
+that no process of it is left behind. ours-warm's standbys preload ``json`` there instead of
+torch (seconds per standby here), so its real warm restarts stay cheap.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ BENCH = BENCH_DIR / "bench.py"
 SMOKE_TIMEOUT_S = 150
 
 sys.path.insert(0, str(BENCH_DIR))
+import bench  # noqa: E402
+import measures  # noqa: E402
 import report  # noqa: E402
 
 
@@ -48,7 +51,7 @@ def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
     # test's folder in its command line: that is how leftovers are found below.
     env = {**os.environ, "TMPDIR": str(work)}
     proc = subprocess.run(
-        [sys.executable, str(BENCH), "--smoke", "--launchers", "ours,torchrun",
+        [sys.executable, str(BENCH), "--smoke", "--launchers", "ours,ours-warm,torchrun",
          "--out", str(out)],
         capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S, env=env, cwd=REPO)
     leftovers = _procs_mentioning(str(work))
@@ -68,18 +71,24 @@ def test_smoke_json_has_every_measure(smoke: tuple[dict, Path]) -> None:
     for key in ("version", "date", "machine", "command", "settings", "launchers", "metrics",
                 "targets", "raw", "leftover_processes", "method"):
         assert key in doc, key
-    assert doc["launchers"] == ["ours", "torchrun"]
+    assert doc["launchers"] == ["ours", "ours-warm", "torchrun"]
     assert doc["leftover_processes"] == []
     assert set(doc["raw"]) == {"heartbeat", "hang", "crash", "startup", "footprint", "goodput"}
-    # torchrun has no heartbeat client and no monitor process.
+    # torchrun has no heartbeat client and no monitor process; ours-warm runs only where a
+    # restart happens.
     assert set(doc["raw"]["heartbeat"]) == {"ours"}
     assert set(doc["raw"]["footprint"]) == {"ours"}
-    for measure in ("hang", "crash", "startup", "goodput"):
+    for measure in ("hang", "startup"):
         assert set(doc["raw"][measure]) == {"ours", "torchrun"}, measure
+    for measure in ("crash", "goodput"):
+        assert set(doc["raw"][measure]) == {"ours", "ours-warm", "torchrun"}, measure
+    for measure in ("hang", "crash", "startup", "goodput"):
         for runs in doc["raw"][measure].values():
             assert len(runs) == doc["settings"]["repeat"] == 1
     text = (out / "RESULTS.md").read_text()
-    assert "| measure | unit | ours | torchrun | ours ahead of torchrun |" in text
+    assert "| measure | unit | ours | ours-warm | torchrun | ours ahead of torchrun |" in text
+    assert "| measure | unit | ours-warm | ours-warm ahead of ours (cold) | " \
+           "ours-warm ahead of torchrun |" in text
     assert doc["command"] in text
 
 
@@ -106,6 +115,19 @@ def test_smoke_values_are_sane(smoke: tuple[dict, Path]) -> None:
     assert fp["processes"] == 1  # our launcher has no helper processes
     assert fp["cpu_pct"] >= 0 and 0 < fp["pss_mb"] <= fp["rss_mb"]
 
+    # ours-warm: a real warm restart after ready standbys, verified from workers_started.
+    warm_crash = raw["crash"]["ours-warm"][0]
+    assert warm_crash["warm"] == [True, True], warm_crash
+    assert 0 < warm_crash["recovery_s"] < 15 and warm_crash["standby_wait_s"] >= 0
+    assert warm_crash["standby_pss_mb"] > 0
+    warm_gp = raw["goodput"]["ours-warm"][0]
+    assert warm_gp["faults"] == ["SIGKILL", "SIGSTOP"], warm_gp
+    assert warm_gp["warm"] == [[True, True], [True, True]], warm_gp
+    assert warm_gp["bounded"] == [] and 0 < warm_gp["goodput"] <= 1.5
+    row = next(r for r in smoke[0]["metrics"] if r["metric"] == "recovery_s")
+    assert "ours-warm" not in row["ratio_vs_ours"]  # it has its own ratios
+    assert row["ratio_vs_ours_warm"]["ours"]["n"] == 1
+
     ours_gp, tr_gp = raw["goodput"]["ours"][0], raw["goodput"]["torchrun"][0]
     assert ours_gp["faults"] == ["SIGKILL", "SIGSTOP"], ours_gp
     assert ours_gp["bounded"] == [] and 0 < ours_gp["goodput"] <= 1.5
@@ -131,6 +153,46 @@ def test_summary_pairs_runs_and_orients_ratios() -> None:
                                     "torchrun": [{"goodput": 0.2, "bounded": ["goodput"]}]})
     assert row["ratio_vs_ours"]["torchrun"]["median"] == pytest.approx(4.0)
     assert row["ratio_vs_ours"]["torchrun"]["bounded"] is True
+
+
+def test_warm_variant_wiring() -> None:
+    """ours-warm = ours + warm restart with the preload; only where a restart happens."""
+    lnch = measures.Launchers(ours=["ft_launcher"])
+    ours = lnch.argv("ours", 2, 1, Path("/w"), ["--x"])
+    warm = lnch.argv("ours-warm", 2, 1, Path("/w"), ["--x"], preload="torch,torch._dynamo")
+    i = warm.index("--ft-warm-restart")
+    assert warm[:i] == ours[:i] and warm[i:i + 3] == [
+        "--ft-warm-restart", "--ft-preload", "torch,torch._dynamo"]
+    assert warm[i + 3:] == ours[i:]
+    assert measures.Settings().warm_preload == "torch,torch._dynamo"
+    every = list(bench.ALL_LAUNCHERS)
+    assert every == ["ours", "ours-warm", "torchrun", "nvrx"]
+    assert bench.launchers_for("crash", every, ["crash"]) == every
+    assert bench.launchers_for("faulted", every, ["goodput"]) == every
+    assert bench.launchers_for("clean", every, ["goodput"]) == every
+    assert "ours-warm" not in bench.launchers_for("clean", every, ["startup"])
+    for kind in ("heartbeat", "hang", "footprint"):
+        assert "ours-warm" not in bench.launchers_for(kind, every, [kind]), kind
+
+
+def test_ready_standbys_follows_take_over_and_death() -> None:
+    """A standby counts as ready until a restart takes it over or it dies."""
+    def ev(event: str, **kw: object) -> dict:
+        return {"event": event, **kw}
+
+    records = [ev("workers_started", cycle=0, pids=[10, 11]),
+               ev("standby_ready", cycle=0, local_rank=0, pid=20),
+               ev("standby_ready", cycle=0, local_rank=1, pid=21)]
+    assert measures.ready_standbys(records) == {0: 20, 1: 21}
+    records.append(ev("standby_died", cycle=0, local_rank=1, pid=21))
+    assert measures.ready_standbys(records) == {0: 20}
+    records += [ev("standby_ready", cycle=0, local_rank=1, pid=22),
+                ev("workers_started", cycle=1, pids=[20, 22], warm=[True, True])]
+    assert measures.ready_standbys(records) == {}  # both became cycle 1's workers
+    records.append(ev("standby_ready", cycle=1, local_rank=0, pid=30))
+    assert measures.ready_standbys(records) == {0: 30}
+    records.append(ev("warm_restart_disabled", cycle=1, reason="x"))
+    assert measures.ready_standbys(records) == {}
 
 
 def test_bad_option_is_one_clear_line() -> None:

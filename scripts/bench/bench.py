@@ -10,6 +10,9 @@ side CPU and memory, 8 ranks at 10 Hz), goodput (fault-free wall / wall under a 
 hang). Runs of one measure are interleaved across launchers, so each repeat gives one pair
 of runs per launcher taken under the same load; ratios are per pair.
 
+Launchers: ours, ours-warm (ours with --ft-warm-restart --ft-preload torch,torch._dynamo;
+only in crash and goodput, where a restart happens), torchrun, nvrx.
+
 Writes ``results.json`` and ``RESULTS.md`` to ``--out`` (default: this folder). NVRx is
 installed on first use into ``.bench/nvrx-venv`` (see nvrx_env.py). Every process started is
 ended by pid; everything talks over loopback.
@@ -46,20 +49,27 @@ from measures import Context, Launchers, Settings  # noqa: E402
 log = logging.getLogger("bench")
 
 ALL_MEASURES = ("heartbeat", "hang", "crash", "startup", "footprint", "goodput")
-ALL_LAUNCHERS = ("ours", "torchrun", "nvrx")
+ALL_LAUNCHERS = ("ours", measures.WARM, "torchrun", "nvrx")
 # torchrun has no heartbeat client and no monitor: nothing to measure for these two.
 CLIENT_MEASURES = ("heartbeat", "footprint")
+# Warm restart changes only what happens at a restart: ours-warm runs where one happens.
+# Its fault-free goodput runs stay (its goodput is its own fault-free wall over its faulted
+# wall, and the standbys' imports during the clean run are part of its cost).
+WARM_KINDS = ("crash", "faulted")
 
 PROFILES: dict[str, Settings] = {
     "full": Settings(),
     "quick": Settings(repeat=3, hang_bound_s=10.0, crash_bound_s=45.0, footprint_window_s=5.0,
-                      train_steps=150, goodput_bound_s=45.0),
+                      goodput_bound_s=45.0),
     # For the test suite: every code path of the driver once, as fast as the machine allows;
     # the training is the workload's torch-free variant (its numbers mean nothing).
     "smoke": Settings(repeat=1, hb_calls=300, hang_bound_s=1.0, crash_bound_s=15.0,
                       settle_s=0.3, footprint_ranks=2, footprint_window_s=0.5,
                       train_steps=100, ckpt_every=10, step_time=0.01, fault_after_s=0.3,
-                      goodput_bound_s=12.0, start_bound_s=30.0, light=True),
+                      goodput_bound_s=12.0, start_bound_s=30.0, light=True,
+                      # the torch-free training imports no torch: a cheap module keeps the
+                      # standbys (and so ours-warm's wiring) quick to check
+                      warm_preload="json", standby_bound_s=10.0),
 }
 
 
@@ -136,8 +146,24 @@ def method(s: Settings) -> list[str]:
         f"--ft-enable-nic-monitor false. Heartbeat timeout {measures.HB_TIMEOUT_S:g} s for "
         f"ours and NVRx (initial timeout {measures.INITIAL_TIMEOUT_S:g} s); every other "
         "option at its default (NVRx's workload_check_interval is 5 s).",
+        f"ours-warm = ours with --ft-warm-restart --ft-preload {s.warm_preload}: one standby "
+        "interpreter per local rank, spawned once every rank of a cycle sent its first "
+        "heartbeat (one importing at a time here), takes over a rank at the next restart "
+        "(DDP imports torch._dynamo when it is built, hence the second module). It is "
+        "measured only where a restart happens (crash, goodput); heartbeat, hang, startup "
+        "and footprint take the same launcher code path as ours (the standbys are spawned "
+        "after the first heartbeats and do not touch the monitor), so those cells are —; "
+        "what it adds is memory: each idle standby holds its imports (the crash runs "
+        "record the standbys' RSS and PSS from standby_ready as standby_rss_mb and "
+        "standby_pss_mb). "
+        "Before each fault the driver waits (at most "
+        f"{s.standby_bound_s:g} s) until the launcher's events.jsonl holds a standby_ready "
+        "for every local rank whose standby has not since been taken over or died; a run "
+        "where that does not happen is reported as 'standby not ready', and one whose "
+        "restart's workers_started does not say warm for every rank as 'not warm', never "
+        "as a cold figure. The JSON keeps the warm flags and the wait per run.",
         "Faults are sent by the driver itself, by pid (each worker announces its pid), so "
-        "all three launchers get the same fault the same way.",
+        "every launcher gets the same fault the same way.",
         f"heartbeat: one rank calls send_heartbeat() {s.hb_calls:,} times back to back after "
         f"{workload_warmup()} untimed calls, each call timed with perf_counter_ns. ours' "
         "heartbeat is a non-blocking ZeroMQ send; NVRx's writes a pickle to a Unix socket "
@@ -152,7 +178,9 @@ def method(s: Settings) -> list[str]:
         f"crash: {s.settle_s:g} s after every rank's first step the driver SIGKILLs rank 1 "
         "(--max-restarts 1); the figure ends at the latest first step among the new cycle's "
         "ranks, bounded by "
-        f"{s.crash_bound_s:g} s. torchrun 2.13 reuses its rendezvous store across restarts "
+        f"{s.crash_bound_s:g} s (ours-warm: the SIGKILL comes once its standbys are ready, "
+        "so later after the first step). torchrun 2.13 reuses its rendezvous store across "
+        "restarts "
         "and its new cycle often fails to form the gloo group (see shared/PEERS.md); such a "
         "run is reported as not recovered.",
         "startup: from just before the launcher is spawned to the latest first training step "
@@ -165,7 +193,10 @@ def method(s: Settings) -> list[str]:
         f"goodput: a fixed training ({s.train_steps} steps, checkpoint every {s.ckpt_every} "
         "steps, resume from it) run once fault-free and once with two faults: SIGKILL of "
         f"rank 1 {s.fault_after_s:g} s after the first step of cycle 0, SIGSTOP of rank 1 "
-        f"{s.fault_after_s:g} s after the first step of cycle 1 (--max-restarts 3). goodput "
+        f"{s.fault_after_s:g} s after the first step of cycle 1 (--max-restarts 3); "
+        "ours-warm gets each fault at that time or, when later, once its standbys are ready "
+        "(so it trains longer before each fault; the work lost is what follows the last "
+        "checkpoint either way, and the whole training is the same). goodput "
         "= the launcher's own fault-free wall ÷ its faulted wall; the faulted wall's ratio "
         "is the goodput ratio against one common fault-free reference. A run that does not "
         f"finish within {s.goodput_bound_s:g} s counts as that bound (marked ≤ / ≥).",
@@ -192,13 +223,28 @@ def _measure_plan(selected: list[str]) -> list[tuple[str, Callable[..., dict[str
     return plan
 
 
+def launchers_for(kind: str, launchers: list[str], selected: list[str]) -> list[str]:
+    """Which of the selected launchers a run kind of ``_measure_plan`` is taken for."""
+    out = []
+    for x in launchers:
+        if kind in CLIENT_MEASURES and x == "torchrun":
+            continue
+        if x == measures.WARM and kind not in WARM_KINDS and not (
+                kind == "clean" and "goodput" in selected):
+            continue
+        out.append(x)
+    return out
+
+
 def run_all(ctx: Context, selected: list[str], launchers: list[str]
             ) -> tuple[dict[str, dict[str, list[dict[str, Any]]]], list[str]]:
     """Run every selected measure ``repeat`` times per launcher, interleaved."""
     raw: dict[str, dict[str, list[dict[str, Any]]]] = {}
     leftovers: list[str] = []
     for kind, fn in _measure_plan(selected):
-        names = [x for x in launchers if not (kind in CLIENT_MEASURES and x == "torchrun")]
+        names = launchers_for(kind, launchers, selected)
+        if not names:
+            continue
         raw[kind] = {x: [] for x in names}
         for i in range(ctx.settings.repeat):
             order = names[i % len(names):] + names[:i % len(names)]  # rotate who goes first
@@ -226,8 +272,10 @@ def _derive(raw: dict[str, Any], selected: list[str]) -> dict[str, dict[str, lis
     out = {k: v for k, v in raw.items() if k not in ("clean", "faulted")}
     clean = raw.get("clean", {})
     if "startup" in selected:
+        # ours-warm starts exactly as ours does (standbys come after the first heartbeats).
         out["startup"] = {x: [{k: r.get(k) for k in ("startup_s", "spawn_s", "note") if k in r}
-                              for r in runs] for x, runs in clean.items()}
+                              for r in runs] for x, runs in clean.items()
+                          if x != measures.WARM}
     if "goodput" in selected:
         out["goodput"] = {}
         for x, runs in clean.items():
@@ -237,6 +285,8 @@ def _derive(raw: dict[str, Any], selected: list[str]) -> dict[str, dict[str, lis
                 row = {"clean_wall_s": c.get("wall_s"), "faulted_wall_s": f.get("wall_s"),
                        "bounded": ["faulted_wall_s", "goodput"] if bounded else [],
                        "faults": f.get("faults")}
+                row.update({k: f[k] for k in ("warm", "standby_wait_s", "cold_wall_s")
+                            if k in f})
                 if row["clean_wall_s"] and row["faulted_wall_s"]:
                     row["goodput"] = round(row["clean_wall_s"] / row["faulted_wall_s"], 4)
                 else:

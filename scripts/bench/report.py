@@ -6,7 +6,11 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
-LAUNCHER_TITLES = {"ours": "ours", "torchrun": "torchrun", "nvrx": "NVRx 0.4.1"}
+WARM = "ours-warm"  # ours with warm restart; compared with ours (cold) and the others
+LAUNCHER_TITLES = {"ours": "ours", WARM: "ours-warm", "torchrun": "torchrun",
+                   "nvrx": "NVRx 0.4.1"}
+# Which ratios are taken: base launcher -> the key its ratios go under in a summary row.
+RATIO_KEYS = {"ours": "ratio_vs_ours", WARM: "ratio_vs_ours_warm"}
 
 
 @dataclass(frozen=True)
@@ -50,10 +54,11 @@ def _values(results: list[dict[str, Any]], key: str) -> list[float | None]:
 
 
 def summarize(metric: Metric, raw: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    """min / median / max per launcher and the per-pair ratio to ours."""
+    """min / median / max per launcher and the per-pair ratios: ours against torchrun and
+    NVRx, ours-warm against ours (cold), torchrun and NVRx."""
     out: dict[str, Any] = {"measure": metric.measure, "metric": metric.key,
                            "label": metric.label, "unit": metric.unit, "better": metric.better,
-                           "summary": {}, "ratio_vs_ours": {}}
+                           "summary": {}, "ratio_vs_ours": {}, "ratio_vs_ours_warm": {}}
     for launcher, results in raw.items():
         values = _values(results, metric.key)
         ok = [v for v in values if v is not None]
@@ -66,24 +71,35 @@ def summarize(metric: Metric, raw: dict[str, list[dict[str, Any]]]) -> dict[str,
         if notes:
             entry["notes"] = notes
         out["summary"][launcher] = entry
-    ours = raw.get("ours")
-    if not metric.ratio or ours is None:
+    if not metric.ratio:
         return out
-    for launcher, results in raw.items():
-        if launcher == "ours":
+    for base, key in RATIO_KEYS.items():
+        if base not in raw:
             continue
-        ratios = []
-        for mine, theirs in zip(_values(ours, metric.key), _values(results, metric.key),
-                                strict=False):
-            if mine is None or theirs is None or mine <= 0 or theirs <= 0:
+        for launcher, results in raw.items():
+            # ours' ratios leave ours-warm out: ours-warm has its own row of ratios.
+            if launcher in (base, WARM):
                 continue
-            ratios.append(theirs / mine if metric.better == "lower" else mine / theirs)
-        if ratios:
-            out["ratio_vs_ours"][launcher] = {
-                "n": len(ratios), "min": min(ratios), "median": statistics.median(ratios),
-                "max": max(ratios), "bounded": out["summary"][launcher]["bounded"],
-                "samples": [round(r, 4) for r in ratios]}
+            entry = _pair_ratios(metric, raw[base], results)
+            if entry is not None:
+                # the other's figure at its bound: the ratio is at least this (≥)
+                entry["bounded"] = out["summary"][launcher]["bounded"]
+                out[key][launcher] = entry
     return out
+
+
+def _pair_ratios(metric: Metric, mine: list[dict[str, Any]], theirs: list[dict[str, Any]]
+                 ) -> dict[str, Any] | None:
+    """Ratios of runs of the same repeat, oriented so > 1 means ``mine`` is better."""
+    ratios = []
+    for a, b in zip(_values(mine, metric.key), _values(theirs, metric.key), strict=False):
+        if a is None or b is None or a <= 0 or b <= 0:
+            continue
+        ratios.append(b / a if metric.better == "lower" else a / b)
+    if not ratios:
+        return None
+    return {"n": len(ratios), "min": min(ratios), "median": statistics.median(ratios),
+            "max": max(ratios), "samples": [round(r, 4) for r in ratios]}
 
 
 def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -91,9 +107,9 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     by_key = {(r["measure"], r["metric"]): r for r in rows}
     out = []
 
-    def ratio(measure: str, key: str, other: str) -> float | None:
+    def ratio(measure: str, key: str, other: str, base: str = "ours") -> float | None:
         row = by_key.get((measure, key))
-        r = row["ratio_vs_ours"].get(other) if row else None
+        r = row.get(RATIO_KEYS[base], {}).get(other) if row else None
         return r["median"] if r else None
 
     hb = ratio("heartbeat", "p50_us", "nvrx")
@@ -116,6 +132,15 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             if r is not None:
                 out.append({"target": f"{what} ahead of {LAUNCHER_TITLES[other]} "
                                       f"(median per-pair ratio > 1)",
+                            "value": round(r, 2), "met": r > 1})
+    for measure, key, what in (("crash", "recovery_s", "crash recovery"),
+                               ("goodput", "goodput", "goodput")):
+        for other in ("ours", "torchrun", "nvrx"):
+            r = ratio(measure, key, other, base=WARM)
+            if r is not None:
+                title = "ours (cold restart)" if other == "ours" else LAUNCHER_TITLES[other]
+                out.append({"target": f"{what} with warm restart (ours-warm) ahead of "
+                                      f"{title} (median per-pair ratio > 1)",
                             "value": round(r, 2), "met": r > 1})
     return out
 
@@ -153,24 +178,53 @@ def _ratio_cell(entry: dict[str, Any] | None, repeat: int) -> str:
 
 
 def behind(rows: list[dict[str, Any]]) -> list[str]:
-    """Rows where ours is not ahead: by the median ratio, or in single pairs of runs."""
+    """Rows where ours (or ours-warm) is not ahead: by the median ratio, or in single pairs
+    of runs."""
     out = []
     for row in rows:
-        for other, r in row["ratio_vs_ours"].items():
-            low = [x for x in r["samples"] if x < 1]
-            if r["median"] <= 1:
-                out.append(f"{row['label']}: behind {LAUNCHER_TITLES[other]}, median ratio "
-                           f"×{r['median']:.2f}")
-            elif low:
-                out.append(f"{row['label']}: behind {LAUNCHER_TITLES[other]} in {len(low)} of "
-                           f"{r['n']} pairs (lowest ×{min(low):.2f}), ahead by the median")
+        for base, key in RATIO_KEYS.items():
+            who = "" if base == "ours" else f"{LAUNCHER_TITLES[base]} "
+            for other, r in row.get(key, {}).items():
+                low = [x for x in r["samples"] if x < 1]
+                name = LAUNCHER_TITLES[other]
+                if r["median"] <= 1:
+                    out.append(f"{row['label']}: {who}behind {name}, median ratio "
+                               f"×{r['median']:.2f}")
+                elif low:
+                    out.append(f"{row['label']}: {who}behind {name} in {len(low)} of "
+                               f"{r['n']} pairs (lowest ×{min(low):.2f}), ahead by the median")
+    return out
+
+
+def _warm_table(doc: dict[str, Any], launchers: list[str], repeat: int) -> list[str]:
+    """ours-warm's per-pair ratios against ours (cold) and the others, on the rows where it
+    was measured; nothing when it was not run."""
+    if WARM not in launchers:
+        return []
+    others = [x for x in launchers if x != WARM]
+    rows = [r for r in doc["metrics"] if WARM in r["summary"]]
+    if not rows:
+        return []
+    head = ["measure", "unit", "ours-warm",
+            *("ours-warm ahead of ours (cold)" if x == "ours" else
+              f"ours-warm ahead of {LAUNCHER_TITLES[x]}" for x in others)]
+    out = ["", "## Warm restart: ours-warm against the others", "",
+           "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        metric = next(x for x in METRICS if (x.measure, x.key) == (row["measure"],
+                                                                    row["metric"]))
+        cells = [row["label"], row["unit"] or "ratio", _cell(row["summary"][WARM], metric)]
+        cells += [_ratio_cell(row.get("ratio_vs_ours_warm", {}).get(x), repeat)
+                  if metric.ratio else "n/a" for x in others]
+        out.append("| " + " | ".join(cells) + " |")
     return out
 
 
 def markdown(doc: dict[str, Any]) -> str:
     """The results page: date, machine, command, the table, targets and notes."""
     launchers = doc["launchers"]
-    others = [x for x in launchers if x != "ours"]
+    others = [x for x in launchers if x not in ("ours", WARM)]
+    repeat = doc["settings"]["repeat"]
     m = doc["machine"]
     lines = [
         "# Benchmark: ft_launcher vs torchrun vs NVRx",
@@ -182,7 +236,8 @@ def markdown(doc: dict[str, Any]) -> str:
         f"- command: `{doc['command']}`",
         f"- {doc['settings']['repeat']} runs per launcher and measure, interleaved; "
         f"cells are median (min–max) over runs; ratios are taken per pair of runs of the "
-        f"same repeat, then median (min–max); a ratio > 1 means ours is better.",
+        f"same repeat, then median (min–max); a ratio > 1 means ours (in the second table: "
+        f"ours-warm) is better. — : not measured for that launcher (see the notes below).",
         "",
     ]
     head = ["measure", "unit", *(LAUNCHER_TITLES[x] for x in launchers),
@@ -193,9 +248,10 @@ def markdown(doc: dict[str, Any]) -> str:
                                                                     row["metric"]))
         cells = [row["label"], row["unit"] or "ratio"]
         cells += [_cell(row["summary"].get(x), metric) for x in launchers]
-        cells += [_ratio_cell(row["ratio_vs_ours"].get(x), doc["settings"]["repeat"])
+        cells += [_ratio_cell(row["ratio_vs_ours"].get(x), repeat)
                   if metric.ratio else "n/a" for x in others]
         lines.append("| " + " | ".join(cells) + " |")
+    lines += _warm_table(doc, launchers, repeat)
     if doc["targets"]:
         lines += ["", "## Targets", "", "| target | value | met |", "|---|---|---|"]
         for t in doc["targets"]:
