@@ -50,6 +50,26 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x.sum(dim=1, keepdim=True)
 
 
+def steps_to_skip(rank: int, world: int) -> set[int]:
+    """Steps the tracker file says to skip, the same on every rank.
+
+    Rank 0 reads the file before the first collective and hands its list to the others:
+    a rank that read it later could see a line another rank appended meanwhile while
+    re-running a step, and the ranks would then disagree on which steps to run.
+    """
+    tracker = default_tracker_file()
+    steps: list[int] = []
+    if rank == 0 and tracker and Path(tracker).exists():
+        steps = sorted(RerunStateMachine.get_skipped_iterations_from_tracker_file(tracker))
+    if world > 1:  # tensors, not broadcast_object_list: no pickle on the wire
+        count = torch.tensor([len(steps)])
+        dist.broadcast(count, src=0)
+        values = torch.tensor(steps if rank == 0 else [0] * int(count), dtype=torch.long)
+        dist.broadcast(values, src=0)
+        steps = values.tolist()
+    return set(steps)
+
+
 def main() -> None:
     args = parse_args()
     rank = int(os.environ.get("RANK", "0"))
@@ -74,12 +94,9 @@ def main() -> None:
         start = state["step"]
         if machine.validate_state_dict(state["rerun"]):
             machine.load_state_dict(state["rerun"])
+    skip = steps_to_skip(rank, world)
     ddp = DistributedDataParallel(model) if world > 1 else model
     data = RerunDataIterator(batch(s, rank) for s in itertools.count(start + 1))
-    tracker = default_tracker_file()
-    skip = set()
-    if tracker and Path(tracker).exists():
-        skip = set(RerunStateMachine.get_skipped_iterations_from_tracker_file(tracker))
     first_try: set[int] = set()
 
     def corrupt(step: int) -> bool:
@@ -117,6 +134,11 @@ def main() -> None:
         if stop:
             print(f"rank {rank} cycle {cycle} device {device}: exit {code} at step {step}",
                   flush=True)
+            # Deliver the diagnosis and leave the process group before exiting: an exit
+            # with a live gloo group can abort when a peer has already gone.
+            get_client().shutdown_workload_monitoring()
+            if world > 1:
+                dist.destroy_process_group()
             sys.exit(code)
         if step not in skip:
             opt.step()

@@ -26,6 +26,7 @@ log = logging.getLogger("ft_agent")
 REQUEST_TIMEOUT_S = 10.0
 # Heartbeats queued while the monitor is unreachable; beyond this they are dropped.
 SEND_HWM = 1000
+SHUTDOWN_LINGER_MS = 2000
 
 
 class RankMonitorClientError(RuntimeError):
@@ -114,7 +115,9 @@ class RankMonitorClient:
             return
         with self._lock:
             self._send(protocol.encode(protocol.GOODBYE))
-        self._close()
+        # Queued messages (a diagnosis just before an exit 16/17) are delivered first, for
+        # at most this long when the monitor is gone.
+        self._close(linger_ms=SHUTDOWN_LINGER_MS)
 
     # -- hot path ----------------------------------------------------------------------
 
@@ -273,10 +276,10 @@ class RankMonitorClient:
         except (OSError, ValueError, RuntimeError) as exc:
             log.warning("rank %d: cannot arm stack dumps: %s", self.rank, exc)
 
-    def _close(self) -> None:
+    def _close(self, linger_ms: int = 0) -> None:
         self._enabled = False
         if self._sock is not None:
-            self._sock.close(linger=0)
+            self._sock.close(linger=linger_ms)
             self._sock = None
 
 

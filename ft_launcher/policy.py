@@ -221,7 +221,11 @@ def decide(result: CycleResult, state: JobState) -> Decision:
         return _restart_or_exhausted(
             state, f"rank {hang.get('rank')} hung ({hang.get('timeout_kind')} timeout)"
         )
-    codes = [f.get("exit_code") for f in result.failures]
+    # A rank that announced its exit 16/17 in a diagnosis but died otherwise (an abort on
+    # the way out) is judged by what it announced.
+    codes = [f.get("exit_code") for f in result.failures] + [
+        d.get("exit_code") for d in result.diagnoses
+        if d.get("exit_code") in (EXIT_RESUME_ELSEWHERE, EXIT_FAILED_VALIDATION)]
     if EXIT_RESUME_ELSEWHERE in codes:
         if state.rotations_left > 0:
             return Decision(

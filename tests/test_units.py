@@ -215,3 +215,12 @@ def test_activity_time_stamps_are_clamped():
     assert Monitor._sent_at(r, {"t": 50.0}, received=107.0) == 105.0
     assert Monitor._sent_at(r, {"t": "soon"}, received=107.0) == 107.0
     assert Monitor._sent_at(r, {}, received=107.0) == 107.0
+
+
+def test_policy_trusts_an_announced_exit_code_when_the_rank_died_otherwise():
+    diag = [{"rank": 1, "state": "X", "diagnostic": "CORRECT_RESULT", "iteration": 5,
+             "exit_code": 17}]
+    result = CycleResult(0, Outcome.FAILED, diagnoses=diag,
+                         failures=[{"rank": 1, "exit_code": None, "signal": "SIGABRT"}])
+    d = policy.decide(result, _job())
+    assert d.exit_code == 17 and d.next_action.requeue is False
