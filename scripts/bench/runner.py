@@ -28,34 +28,6 @@ DRIVER_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
 TERM_GRACE_S = 2.0  # launchers may tidy up; teardown itself is not measured
 
 
-class JsonlTail:
-    """Reads the complete lines appended to a JSONL file since the last call."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.offset = 0
-        self.partial = b""
-
-    def read(self) -> list[dict[str, Any]]:
-        """New complete records; a line still being written waits for the next call."""
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                data = f.read()
-        except FileNotFoundError:
-            return []
-        self.offset += len(data)
-        lines = (self.partial + data).split(b"\n")
-        self.partial = lines.pop()
-        out = []
-        for line in lines:
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue  # a stray line is not a record
-        return out
-
-
 class LineTail:
     """Reads the complete text lines appended to a log file since the last call."""
 
@@ -73,6 +45,23 @@ class LineTail:
         cut = data.rfind(b"\n") + 1
         self.offset += cut
         return data[:cut].decode(errors="replace").splitlines()
+
+
+class JsonlTail:
+    """Reads the complete JSON records appended to a JSONL file since the last call."""
+
+    def __init__(self, path: Path) -> None:
+        self.lines = LineTail(path)
+
+    def read(self) -> list[dict[str, Any]]:
+        """New complete records; a line still being written waits for the next call."""
+        out = []
+        for line in self.lines.read():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue  # a stray line is not a record
+        return out
 
 
 @dataclass
