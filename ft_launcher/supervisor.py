@@ -221,12 +221,13 @@ class Supervisor:
                    pids=[w.pid for w in group.workers], device_map=self.job.device_map(),
                    warm=[w.warm for w in group.workers])
         result = self._watch(group, armed)
-        if result.outcome is not Outcome.SUCCEEDED:
+        if result.outcome is Outcome.SUCCEEDED:
+            group.kill_all()  # exited leaders may have left children in their groups
+        else:
             grace = self.cfg.term_timeout if result.outcome is Outcome.SIGNALED \
                 else self.cfg.workers_stop_timeout
             signum = result.signum if result.outcome is Outcome.SIGNALED else signal.SIGTERM
-            group.stop(grace, signum)
-        group.kill_all()  # exited leaders may have left children in their groups
+            group.stop(grace, signum)  # ends with kill_all
         self.monitor.handle_messages()  # reports sent while the group was being stopped
         for w in group.workers:
             if w.exit_code is not None and not w.reported:
