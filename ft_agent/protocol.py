@@ -22,6 +22,8 @@ Kinds (agent -> monitor unless noted):
 ``diagnosis``      a rerun state machine verdict: ``state``, ``diagnostic``, ``iteration``,
                    ``message``, ``exit_code`` and free extra fields
 ``report``         ``what``, ``message``: something the rank wants on record (an exception)
+``progress``       ``it``: the training finished step ``it``; ``ckpt``: true when a
+                   checkpoint of step ``it`` was saved (and ``t``, as for hb)
 ``goodbye``        the rank stops monitoring
 =================  ==================================================================
 """
@@ -45,6 +47,7 @@ ACK = "ack"
 CONTROL = "control"
 DIAGNOSIS = "diagnosis"
 REPORT = "report"
+PROGRESS = "progress"
 GOODBYE = "goodbye"
 
 CONTROL_ACTIONS = ("continue", "exclude_node", "shutdown")
@@ -70,6 +73,7 @@ _SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
     CONTROL: {"action": (str,)},
     DIAGNOSIS: {"state": (str,), "iteration": (int, type(None))},
     REPORT: {"what": (str,), "message": (str,)},
+    PROGRESS: {"it": (int,), "ckpt": (bool,)},
     GOODBYE: {},
 }
 
