@@ -149,6 +149,17 @@ class RankMonitorClient:
         finally:
             self.end_section(name)
 
+    def report_progress(self, iteration: int) -> None:
+        """Tell the launcher the training finished step ``iteration``. Never blocks.
+
+        The launcher's goodput ledger counts work from these reports; a heartbeat is implied.
+        """
+        self._fire(protocol.PROGRESS, it=int(iteration), ckpt=False, t=time.monotonic())
+
+    def report_checkpoint(self, iteration: int) -> None:
+        """Tell the launcher a checkpoint of step ``iteration`` was saved. Never blocks."""
+        self._fire(protocol.PROGRESS, it=int(iteration), ckpt=True, t=time.monotonic())
+
     # -- timeouts ----------------------------------------------------------------------
 
     def calculate_and_set_hb_timeouts(self, skip_if_not_ready: bool = False) -> bool:
