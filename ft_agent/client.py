@@ -278,12 +278,15 @@ class RankMonitorClient:
     def _register_stack_dump(self, reply: dict[str, Any]) -> None:
         # faulthandler writes from C, so it works while the rank is stuck inside a
         # collective or a C extension, where a Python signal handler would never run.
-        path, signum = reply.get("stack_file"), reply.get("stack_signal")
-        if not path or not signum:
+        # The file is the one the launcher named in this process's environment, never a
+        # path from the socket, and a symlink there is refused (O_NOFOLLOW).
+        path, signum = os.environ.get("FT_STACK_FILE"), reply.get("stack_signal")
+        if not path or not isinstance(signum, int) or isinstance(signum, bool):
             return
         try:
-            self._stack_file = open(path, "w")  # noqa: SIM115 - held for the process's life
-            faulthandler.register(int(signum), file=self._stack_file, all_threads=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            self._stack_file = os.fdopen(fd, "w")  # held for the process's life
+            faulthandler.register(signum, file=self._stack_file, all_threads=True)
         except (OSError, ValueError, RuntimeError) as exc:
             log.warning("rank %d: cannot arm stack dumps: %s", self.rank, exc)
 
