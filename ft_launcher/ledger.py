@@ -1,0 +1,495 @@
+"""The goodput ledger: where the wall-clock time of a run went, cycle by cycle.
+
+Pure logic, no I/O: a :class:`Ledger` consumes the records of ``events.jsonl`` one at a time
+(``add``) and answers at any moment (``summary``). ``ft_report`` feeds it a finished run;
+the launcher feeds it live for its metrics and status line.
+
+Each cycle's wall time (from its start — the launch or the ``restart`` event — to the next
+cycle's start or the launcher's exit) is cut into consecutive phases, so the phases of a
+run add up to its wall time exactly::
+
+    rendezvous   start -> rendezvous_done
+    spawn        rendezvous_done -> first step of every rank (spawn -> first step)
+    productive   first step of every rank -> fault (or end of training), less work lost
+    work_lost    last checkpoint -> fault: training that has to be redone
+    detection    fault -> detection (hang verdict, first failed exit, signal)
+    teardown     detection -> last worker exit
+    other        the rest: decision and bookkeeping, or after the training's last step
+
+The fault's time is the injected fault's exact time (``fault_injected.at``), else the
+worker's death (its exit) or, for a hang, its last heartbeat (verdict − silence). The first
+cycle's rendezvous and spawn are the job's start-up cost, not a fault's; a failed cycle's
+loss, plus the next cycle's rendezvous and spawn, is charged to that cycle's cause.
+
+Goodput = productive ÷ wall. Several attempts in one run directory (a requeued job;
+``launcher_started.attempt``) are kept apart; the run's figures add the attempts up and do
+not count the time between them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+PHASES = ("rendezvous", "spawn", "productive", "work_lost", "detection", "teardown", "other")
+START_UP = "start-up and shutdown"
+
+
+def _num(value: Any) -> float | None:
+    """A finite float, or None (the ledger reads files it cannot trust)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _r(value: float | None, digits: int = 3) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+@dataclass
+class _Cycle:
+    """Raw marks of one cycle, as the records arrive."""
+
+    n: int
+    start: float
+    rendezvous_done: float | None = None
+    workers_started: float | None = None
+    ranks: list[int] = field(default_factory=list)
+    first_step: dict[int, tuple[float, int]] = field(default_factory=dict)  # rank -> ts, it
+    connected: dict[int, float] = field(default_factory=dict)
+    training_started: float | None = None
+    checkpoints: list[tuple[float, int]] = field(default_factory=list)  # ts, iteration
+    last_progress: dict[int, tuple[float, int]] = field(default_factory=dict)  # at, it
+    live_step: int | None = None
+    fault: dict[str, Any] | None = None  # the first injected fault
+    hang: dict[str, Any] | None = None
+    failed_exit: dict[str, Any] | None = None
+    signal: dict[str, Any] | None = None
+    peers_waiting: float | None = None
+    last_exit: float | None = None
+    goodbye: float | None = None
+    clean_exit: float | None = None
+    decision: dict[str, Any] | None = None
+    end: float | None = None  # next cycle's start, or the launcher's exit
+    last_ts: float = 0.0
+
+    # -- derived ---------------------------------------------------------------------
+
+    def training_start(self) -> tuple[float | None, str | None]:
+        """When every rank was training, and what says so."""
+        expected = set(self.ranks)
+        if self.first_step and (not expected or expected <= set(self.first_step)):
+            return max(ts for ts, _ in self.first_step.values()), "first_step"
+        if self.training_started is not None:
+            return self.training_started, "training_started"
+        if self.connected and (not expected or expected <= set(self.connected)):
+            return max(self.connected.values()), "rank_connected"
+        return None, None
+
+    def detection(self) -> float | None:
+        marks = [self.hang and self.hang["ts"], self.failed_exit and self.failed_exit["ts"],
+                 self.signal and self.signal["ts"], self.peers_waiting]
+        marks = [m for m in marks if m is not None]
+        return min(marks) if marks else None
+
+    def fault_mark(self, detected: float | None) -> tuple[float | None, str | None, str]:
+        """(time of the fault, rank, how it is known) for a cycle that ended in a fault."""
+        if self.fault is not None and (detected is None or self.fault["at"] <= detected + 1):
+            return self.fault["at"], self.fault.get("rank"), "injected"
+        if self.hang is not None and detected == self.hang["ts"]:
+            return self.hang["ts"] - self.hang["silence"], self.hang.get("rank"), \
+                "last heartbeat"
+        if self.failed_exit is not None and detected == self.failed_exit["ts"]:
+            return self.failed_exit["ts"], self.failed_exit.get("rank"), "worker exit"
+        return detected, None, "detection"
+
+    def cause(self) -> str:
+        if self.fault is not None:
+            return f"injected {self.fault['type']}"
+        detected = self.detection()
+        if self.hang is not None and detected == self.hang["ts"]:
+            return f"hang ({self.hang['kind']} timeout)"
+        if self.failed_exit is not None and detected == self.failed_exit["ts"]:
+            e = self.failed_exit
+            return f"signal {e['signal']}" if e.get("signal") else f"exit {e.get('exit_code')}"
+        if self.signal is not None:
+            return f"launcher got {self.signal['name']}"
+        if self.peers_waiting is not None:
+            return "another node"
+        if self.decision is not None:
+            return str(self.decision.get("outcome") or "other")
+        return "other"
+
+    def steps(self) -> tuple[int | None, int | None]:
+        """(first iteration of the cycle, last iteration reported in it)."""
+        first = min((it for _, it in self.first_step.values()), default=None)
+        seen = [it for _, it in self.first_step.values()]
+        seen += [it for _, it in self.last_progress.values()]
+        seen += [it for _, it in self.checkpoints]
+        if self.live_step is not None:
+            seen.append(self.live_step)
+        return first, max(seen, default=None)
+
+
+@dataclass
+class _Attempt:
+    n: int
+    start: float
+    cycles: dict[int, _Cycle] = field(default_factory=dict)
+    current: int | None = None
+    restarts: int = 0
+    end: float | None = None
+    exit_code: int | None = None
+    reason: str | None = None
+    last_ts: float = 0.0
+
+
+class Ledger:
+    """Incremental goodput ledger over event records (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.attempts: list[_Attempt] = []
+        self.uses_progress = False  # the training reports its steps (first_step, ...)
+
+    # -- input -----------------------------------------------------------------------
+
+    def add(self, record: dict[str, Any]) -> None:
+        """Consume one event record; malformed records are ignored."""
+        if not isinstance(record, dict):
+            return
+        ts, name, n = _num(record.get("ts")), record.get("event"), _int(record.get("cycle"))
+        if ts is None or not isinstance(name, str) or n is None or n < 0:
+            return
+        if name == "launcher_started" or not self.attempts:
+            self._new_attempt(record, ts)
+        att = self.attempts[-1]
+        att.last_ts = max(att.last_ts, ts)
+        if name == "restart":
+            self._close_cycle(att, ts)
+            att.restarts = _int(record.get("restarts")) or att.restarts + 1
+        cyc = att.cycles.get(n)
+        if cyc is None:
+            cyc = att.cycles[n] = _Cycle(n, ts)
+        if att.current is None or n > att.current:
+            if att.current is not None and name != "restart":
+                self._close_cycle(att, ts)
+            att.current = n
+        cyc.last_ts = max(cyc.last_ts, ts)
+        handler = getattr(self, "_on_" + name, None)
+        if handler is not None:
+            handler(att, cyc, record, ts)
+
+    def progress(self, rank: int, iteration: int, ts: float | None = None) -> None:
+        """A step a rank reported, live (not an event): feeds ``last_step`` only."""
+        if not self.attempts or _int(iteration) is None:
+            return
+        att = self.attempts[-1]
+        cyc = att.cycles.get(att.current) if att.current is not None else None
+        if cyc is not None:
+            cyc.live_step = max(iteration, cyc.live_step or iteration)
+            self.uses_progress = True
+
+    def _new_attempt(self, record: dict[str, Any], ts: float) -> None:
+        given = _int(record.get("attempt"))
+        if given is None or given < 1:
+            given = self.attempts[-1].n + 1 if self.attempts else 1
+        if self.attempts:
+            prev = self.attempts[-1]
+            if prev.end is None:  # the previous launcher died without a word
+                prev.end = prev.last_ts
+                self._close_cycle(prev, prev.last_ts)
+        self.attempts.append(_Attempt(given, ts))
+
+    @staticmethod
+    def _close_cycle(att: _Attempt, ts: float) -> None:
+        if att.current is not None:
+            cyc = att.cycles.get(att.current)
+            if cyc is not None and cyc.end is None:
+                cyc.end = ts
+
+    # One handler per event that matters; the others only move the clock.
+
+    def _on_launcher_started(self, att, cyc, rec, ts) -> None:
+        cyc.start = min(cyc.start, ts)
+
+    def _on_rendezvous_done(self, att, cyc, rec, ts) -> None:
+        cyc.rendezvous_done = ts
+
+    def _on_workers_started(self, att, cyc, rec, ts) -> None:
+        cyc.workers_started = ts
+        ranks = rec.get("ranks")
+        if isinstance(ranks, list):
+            cyc.ranks = [r for r in ranks if _int(r) is not None]
+
+    def _on_rank_connected(self, att, cyc, rec, ts) -> None:
+        rank = _int(rec.get("rank"))
+        if rank is not None:
+            cyc.connected.setdefault(rank, ts)
+
+    def _on_first_step(self, att, cyc, rec, ts) -> None:
+        rank, it = _int(rec.get("rank")), _int(rec.get("iteration"))
+        if rank is not None and it is not None:
+            cyc.first_step.setdefault(rank, (ts, it))
+            self.uses_progress = True
+
+    def _on_training_started(self, att, cyc, rec, ts) -> None:
+        if cyc.training_started is None:
+            cyc.training_started = ts
+
+    def _on_checkpoint_saved(self, att, cyc, rec, ts) -> None:
+        it = _int(rec.get("iteration"))
+        if it is not None:
+            cyc.checkpoints.append((ts, it))
+            self.uses_progress = True
+
+    def _on_last_progress(self, att, cyc, rec, ts) -> None:
+        rank, it = _int(rec.get("rank")), _int(rec.get("iteration"))
+        at = _num(rec.get("at"))
+        if rank is not None and it is not None:
+            cyc.last_progress[rank] = (at if at is not None else ts, it)
+            self.uses_progress = True
+
+    def _on_fault_injected(self, att, cyc, rec, ts) -> None:
+        if cyc.fault is None:
+            at = _num(rec.get("at"))
+            cyc.fault = {"at": at if at is not None else ts, "rank": _int(rec.get("rank")),
+                         "type": str(rec.get("fault_type", "fault"))[:40]}
+
+    def _on_hang_detected(self, att, cyc, rec, ts) -> None:
+        if cyc.hang is None:
+            silence = _num(rec.get("silence_s"))
+            cyc.hang = {"ts": ts, "rank": _int(rec.get("rank")),
+                        "silence": max(0.0, silence) if silence is not None else 0.0,
+                        "kind": str(rec.get("timeout_kind", "?"))[:40]}
+
+    def _on_worker_exited(self, att, cyc, rec, ts) -> None:
+        cyc.last_exit = max(cyc.last_exit or ts, ts)
+        code = rec.get("exit_code")
+        if code == 0 and not rec.get("signal"):
+            cyc.clean_exit = min(cyc.clean_exit or ts, ts)
+        elif cyc.failed_exit is None and not rec.get("stopped_by_launcher"):
+            cyc.failed_exit = {"ts": ts, "rank": _int(rec.get("rank")),
+                               "exit_code": _int(code), "signal": rec.get("signal")}
+
+    def _on_rank_goodbye(self, att, cyc, rec, ts) -> None:
+        if cyc.goodbye is None:
+            cyc.goodbye = ts
+
+    def _on_signal_received(self, att, cyc, rec, ts) -> None:
+        if cyc.signal is None:
+            cyc.signal = {"ts": ts, "name": str(rec.get("signal", "?"))[:20]}
+
+    def _on_peers_waiting(self, att, cyc, rec, ts) -> None:
+        if cyc.peers_waiting is None:
+            cyc.peers_waiting = ts
+
+    def _on_decision(self, att, cyc, rec, ts) -> None:
+        cyc.decision = {"ts": ts, "outcome": rec.get("outcome"), "reason": rec.get("reason")}
+
+    def _on_launcher_exited(self, att, cyc, rec, ts) -> None:
+        att.end = ts
+        att.exit_code = _int(rec.get("exit_code"))
+        att.reason = rec.get("reason") if isinstance(rec.get("reason"), str) else None
+        self._close_cycle(att, ts)
+
+    # -- output ----------------------------------------------------------------------
+
+    def summary(self, now: float | None = None) -> dict[str, Any]:
+        """The ledger so far, JSON-ready. ``now`` ends a running cycle (default: the last
+        event's time)."""
+        attempts = [self._attempt_summary(a, now) for a in self.attempts]
+        lost: dict[str, float] = {}
+        by_cause: dict[str, float] = {}
+        for a in attempts:
+            for k, v in a["lost_s"].items():
+                lost[k] = lost.get(k, 0.0) + v
+            for k, v in a["lost_by_cause_s"].items():
+                by_cause[k] = by_cause.get(k, 0.0) + v
+        wall = sum(a["wall_s"] for a in attempts)
+        productive = sum(a["productive_s"] for a in attempts)
+        last = attempts[-1] if attempts else None
+        return {
+            "attempts": attempts,
+            "wall_s": round(wall, 3),
+            "productive_s": round(productive, 3),
+            "lost_s": {k: round(v, 3) for k, v in lost.items()},
+            "lost_by_cause_s": {k: round(v, 3) for k, v in by_cause.items()},
+            "goodput": round(productive / wall, 4) if wall > 0 else None,
+            "attempt": last["attempt"] if last else None,
+            "start_ts": self.attempts[0].start if self.attempts else None,
+            "cycle": last["cycle"] if last else None,
+            "restarts": sum(a["restarts"] for a in attempts),
+            "last_step": last["last_step"] if last else None,
+            "running": bool(last and last["end_ts"] is None),
+            "progress_reported": self.uses_progress,
+        }
+
+    def _attempt_summary(self, att: _Attempt, now: float | None) -> dict[str, Any]:
+        end = att.end if att.end is not None else (now if now is not None else att.last_ts)
+        end = max(end, att.start)
+        order = sorted(att.cycles)
+        rows = []
+        for i, n in enumerate(order):
+            nxt = att.cycles[order[i + 1]] if i + 1 < len(order) else None
+            rows.append(self._cycle_summary(att.cycles[n], nxt, end, first=(i == 0)))
+        lost = {"start-up": 0.0, **{p: 0.0 for p in PHASES if p != "productive"}}
+        by_cause: dict[str, float] = {}
+        productive = 0.0
+        for i, row in enumerate(rows):
+            productive += row["phases_s"]["productive"]
+            for phase, secs in row["phases_s"].items():
+                if phase == "productive":
+                    continue
+                key = "start-up" if row["startup"] and phase in ("rendezvous", "spawn") \
+                    else phase
+                lost[key] += secs
+                cause = row["charged_to"] if key != "start-up" else START_UP
+                if phase in ("rendezvous", "spawn") and not row["startup"] and i > 0:
+                    cause = rows[i - 1]["cause"] or START_UP
+                if secs:
+                    by_cause[cause] = by_cause.get(cause, 0.0) + secs
+        wall = end - att.start
+        covered = productive + sum(lost.values())
+        lost["other"] += max(0.0, wall - covered)  # before the first cycle, after the last
+        if wall - covered > 0:
+            by_cause[START_UP] = by_cause.get(START_UP, 0.0) + (wall - covered)
+        steps = [r["last_step"] for r in rows if r["last_step"] is not None]
+        return {
+            "attempt": att.n,
+            "start_ts": att.start,
+            "end_ts": att.end,
+            "wall_s": round(wall, 3),
+            "productive_s": round(productive, 3),
+            "lost_s": {k: round(v, 3) for k, v in lost.items()},
+            "lost_by_cause_s": {k: round(v, 3) for k, v in by_cause.items()},
+            "goodput": round(productive / wall, 4) if wall > 0 else None,
+            "cycle": att.current,
+            "restarts": att.restarts,
+            "last_step": rows[-1]["last_step"] if rows and rows[-1]["last_step"] is not None
+            else (steps[-1] if steps else None),
+            "exit_code": att.exit_code,
+            "reason": att.reason,
+            "cycles": rows,
+        }
+
+    def _cycle_summary(self, c: _Cycle, nxt: _Cycle | None, attempt_end: float,
+                       first: bool) -> dict[str, Any]:
+        end = c.end if c.end is not None else (nxt.start if nxt else attempt_end)
+        end = max(end, c.start)
+        detected = c.detection()
+        failed = detected is not None
+        fault_ts, fault_rank, fault_source = c.fault_mark(detected) if failed \
+            else (None, None, None)
+        if not failed and c.fault is not None:  # injected, never seen to fail (yet)
+            fault_ts, fault_rank, fault_source = c.fault["at"], c.fault.get("rank"), "injected"
+        train_ts, train_source = c.training_start()
+
+        # Consecutive boundaries, each clipped to [previous boundary, end of cycle].
+        def clip(t: float | None, lo: float) -> float:
+            return lo if t is None else min(max(t, lo), end)
+
+        t_rdzv = clip(c.rendezvous_done, c.start)
+        stop_training = fault_ts if failed else self._training_end(c)
+        if train_ts is None:  # never trained: the whole run-up is spawn time
+            t_train = clip(stop_training if stop_training is not None else end, t_rdzv)
+        else:
+            t_train = clip(min(train_ts, stop_training) if stop_training is not None
+                           else train_ts, t_rdzv)
+        t_stop = clip(stop_training if stop_training is not None else end, t_train)
+        ckpt = self._last_checkpoint(c, t_stop)
+        work_lost = 0.0
+        # Without any step or checkpoint reported, what was kept is unknown: the training
+        # counts as productive (the summary says so with progress_reported false).
+        if failed and train_ts is not None and self.uses_progress:
+            since = max(ckpt[0], t_train) if ckpt else t_train
+            work_lost = max(0.0, t_stop - since)
+        t_detect = clip(detected, t_stop) if failed else t_stop
+        t_teardown = clip(c.last_exit, t_detect) if failed else t_detect
+        phases = {
+            "rendezvous": t_rdzv - c.start,
+            "spawn": t_train - t_rdzv,
+            "productive": t_stop - t_train - work_lost,
+            "work_lost": work_lost,
+            "detection": t_detect - t_stop,
+            "teardown": t_teardown - t_detect,
+            "other": end - t_teardown,
+        }
+        first_it, last_it = c.steps()
+        ckpt_it = ckpt[1] if ckpt else None
+        steps_lost = None
+        if failed and last_it is not None:
+            base = ckpt_it if ckpt_it is not None else (first_it - 1 if first_it else None)
+            steps_lost = max(0, last_it - base) if base is not None else None
+        elif failed and self.uses_progress:
+            steps_lost = 0  # no step was made in this cycle
+        resumed = min((it for _, it in nxt.first_step.values()), default=None) if nxt else None
+        next_train = nxt.training_start()[0] if nxt else None
+        no_progress = None
+        if failed and self.uses_progress:
+            no_progress = not c.first_step or ckpt is None
+        elif c.end is not None and self.uses_progress:
+            no_progress = not c.first_step and last_it is None
+        cause = c.cause() if failed else None
+        row = {
+            "cycle": c.n,
+            "start_ts": c.start,
+            "end_ts": c.end,
+            "startup": first,
+            "outcome": (c.decision or {}).get("outcome") or ("running" if c.end is None
+                                                             else None),
+            "cause": cause,
+            "charged_to": cause or START_UP,
+            "fault_ts": fault_ts,
+            "fault_rank": fault_rank,
+            "fault_source": fault_source,
+            "detected_ts": detected,
+            "detection_s": _r(t_detect - t_stop) if failed else None,
+            "teardown_s": _r(t_teardown - t_detect) if failed else None,
+            "rendezvous_s": _r(phases["rendezvous"]),
+            "spawn_to_first_step_s": _r(train_ts - c.workers_started)
+            if train_ts is not None and c.workers_started is not None else None,
+            "training_start_source": train_source,
+            "productive_s": _r(phases["productive"]),
+            "first_step": first_it,
+            "last_step": last_it,
+            "checkpoint_step": ckpt_it,
+            "checkpoint_ts": ckpt[0] if ckpt else None,
+            "work_lost_s": _r(work_lost) if failed and self.uses_progress else None,
+            "work_lost_steps": steps_lost,
+            "next_cycle_first_step": resumed,
+            "recovery_s": _r(next_train - fault_ts)
+            if failed and next_train is not None and fault_ts is not None else None,
+            "no_progress": no_progress,
+            "phases_s": {k: round(max(0.0, v), 6) for k, v in phases.items()},
+            "marks": {"rendezvous_done": c.rendezvous_done, "workers_started": c.workers_started,
+                      "training": train_ts, "stop": t_stop, "detected": t_detect,
+                      "torn_down": t_teardown, "end": end},
+        }
+        return row
+
+    @staticmethod
+    def _training_end(c: _Cycle) -> float | None:
+        """When the training's last step was reported, for a cycle that did not fail."""
+        if c.last_progress:
+            return max(at for at, _ in c.last_progress.values())
+        marks = [m for m in (c.goodbye, c.clean_exit) if m is not None]
+        return min(marks) if marks else None
+
+    @staticmethod
+    def _last_checkpoint(c: _Cycle, before: float) -> tuple[float, int] | None:
+        saved = [(ts, it) for ts, it in c.checkpoints if ts <= before]
+        return max(saved) if saved else None
+
+
+def ledger_of(records: list[dict[str, Any]]) -> Ledger:
+    """A ledger fed with every record of a run (``rundir.read_events``)."""
+    ledger = Ledger()
+    for record in records:
+        ledger.add(record)
+    return ledger
