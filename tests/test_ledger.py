@@ -13,6 +13,7 @@ import pytest
 
 from ft_launcher.ledger import Ledger, ledger_of
 from ft_launcher.rundir import read_events
+from ft_launcher.status import status_line
 
 T0 = 1_800_000_000.0
 
@@ -237,6 +238,32 @@ def test_without_progress_reports_work_lost_is_unknown():
     assert summary["progress_reported"] is False
     assert c0["work_lost_s"] is None and c0["no_progress"] is None
     assert c0["training_start_source"] == "training_started"
+
+
+# -- the status line (ft_launcher/status.py, pure formatting of a summary) ----------
+
+def test_status_line_of_a_running_job():
+    records = [r for r in killed_then_finished().records if r["ts"] <= T0 + 20]
+    ledger = ledger_of(records)
+    ledger.progress(0, 173)
+    line = status_line(ledger.summary(now=T0 + 3725), T0 + 3725)
+    assert line.startswith("status: 1:02:05 elapsed | cycle 1 | 1 restart | step 173 | goodput ")
+    goodput = ledger.summary(now=T0 + 3725)["attempts"][0]["goodput"]
+    assert line.endswith(f"goodput {100 * goodput:.1f}%") and 90 < 100 * goodput < 100
+
+
+def test_status_line_before_anything_is_known():
+    assert status_line(ledger_of([]).summary(), T0) == \
+        "status: - elapsed | cycle - | 0 restarts | step - | goodput -"
+    s = Stream().at(0, "launcher_started")
+    assert status_line(ledger_of(s.records).summary(now=T0), T0) == \
+        "status: 0:00:00 elapsed | cycle 0 | 0 restarts | step - | goodput -"
+
+
+def test_status_line_names_the_attempt_when_there_are_several():
+    records = killed_then_finished().records + killed_then_finished(2, 100).records[:3]
+    line = status_line(ledger_of(records).summary(now=T0 + 160), T0 + 160)
+    assert line.startswith("status: 0:01:00 elapsed | attempt 2 | cycle 0 | 0 restarts")
 
 
 # -- end to end ----------------------------------------------------------------------
