@@ -1,0 +1,290 @@
+"""Straggler detection: which rank is slow, from the time each spends in one named section.
+
+In a synchronous job every rank waits for the slowest in each collective, so heartbeat and
+step intervals are the same on every rank and show nothing. The time *inside* a section that
+excludes the collective (``client.section("compute")`` around forward and backward) does:
+a slow rank's compute takes longer, the others' does not.
+
+The score of a rank is its recent median (over its last ``window`` section times) divided by
+the median of the other ranks' recent medians. Medians, not means: a shared machine gives
+every rank occasional spikes. Leaving the rank itself out of the reference keeps the score
+honest with two ranks (with all ranks, a 2x slow rank of two would score 1.33) and changes
+nothing with many.
+
+A rank is reported when its score stays above ``threshold`` for ``confirm_steps`` of its own
+steps, and cleared when it stays below ``clear_threshold`` (lower: hysteresis) as long. No
+score exists before a rank has ``window`` section times, so nothing is ever decided on fewer.
+
+Pure: no I/O, no clock but the injected one (used to age remote medians). The monitor calls
+``observe`` when a rank closes the section; the supervisor calls ``evaluate`` and records the
+transitions it returns. Remote ranks (other nodes) enter as medians via ``observe_remote``.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+DETECTED = "straggler_detected"
+CLEARED = "straggler_cleared"
+MAX_DURATION_S = 7 * 24 * 3600.0  # a section time beyond a week is garbage, not a sample
+
+
+@dataclass(frozen=True)
+class StragglerEvent:
+    """A transition of one rank: ``straggler_detected`` or ``straggler_cleared``."""
+
+    event: str
+    rank: int
+    host: str
+    section: str
+    score: float  # the rank's median over the others' (1.0 = typical, 2.0 = twice as slow)
+    window: int  # section times behind each median
+    median_s: float  # this rank's recent median section time
+    reference_s: float  # the median of the other ranks' recent medians
+    steps: int  # section times this rank had closed when the transition was decided
+    clock: str = "wall"  # "wall", or "device" for GPU time of the section
+
+    def fields(self) -> dict[str, Any]:
+        """Event fields for events.jsonl (everything but the event name), rounded."""
+        out = asdict(self)
+        del out["event"]
+        for key in ("score", "median_s", "reference_s"):
+            out[key] = round(out[key], 6)
+        return out
+
+
+@dataclass
+class _Track:
+    """One local rank's recent section times and its straggler state."""
+
+    host: str
+    durations: deque[float]
+    steps: int = 0
+    flagged: bool = False
+    crossed_at: int | None = None  # step at which the score crossed the current boundary
+
+
+@dataclass
+class _Remote:
+    host: str
+    median_s: float
+    seen_at: float
+
+
+@dataclass
+class StragglerDetector:
+    """Scores local ranks against every rank it knows of; see the module docstring.
+
+    ``threshold`` (> 1): report above it. ``window`` (>= 3): section times per median.
+    ``section``: the section name observed; others are ignored. ``confirm_steps``: steps the
+    score must stay across a boundary (default ``window // 5``, at least 1).
+    ``clear_threshold``: clear below it (default halfway between 1 and ``threshold``).
+    ``remote_ttl_s``: a remote median older than this is ignored. ``now``: the clock.
+    """
+
+    threshold: float = 1.3
+    window: int = 20
+    section: str = "compute"
+    now: Callable[[], float] = time.monotonic
+    host: str = ""
+    clock: str = "wall"
+    confirm_steps: int | None = None
+    clear_threshold: float | None = None
+    remote_ttl_s: float = 60.0
+    _tracks: dict[int, _Track] = field(default_factory=dict, init=False, repr=False)
+    _remote: dict[int, _Remote] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.threshold, (int, float)) and math.isfinite(self.threshold)
+                and self.threshold > 1):
+            raise ValueError(f"threshold must be a finite number > 1, got {self.threshold!r}")
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 3:
+            raise ValueError(f"window must be an integer >= 3, got {self.window!r}")
+        if not self.section:
+            raise ValueError("section must be a non-empty name")
+        if self.confirm_steps is None:
+            self.confirm_steps = max(1, self.window // 5)
+        if self.clear_threshold is None:
+            self.clear_threshold = 1 + (self.threshold - 1) / 2
+        if not 1 <= self.clear_threshold <= self.threshold:
+            raise ValueError(f"clear_threshold must be in [1, threshold], got "
+                             f"{self.clear_threshold!r}")
+
+    # -- input -------------------------------------------------------------------------
+
+    def observe(self, rank: int, section: str, duration_s: float, host: str | None = None
+                ) -> bool:
+        """A local rank closed ``section`` after ``duration_s``; False when ignored (another
+        section, or a value that is not a plausible duration)."""
+        if section != self.section or not _valid_rank(rank) or not _valid_seconds(duration_s):
+            return False
+        track = self._tracks.get(rank)
+        if track is None:
+            track = self._tracks[rank] = _Track(host or self.host, deque(maxlen=self.window))
+        track.durations.append(float(duration_s))
+        track.steps += 1
+        return True
+
+    def observe_remote(self, rank: int, host: str, median_s: float) -> bool:
+        """Another node's rank and its recent median (from that node's ``local_medians()``);
+        it counts in every reference until ``remote_ttl_s`` passes without an update."""
+        if not _valid_rank(rank) or not isinstance(host, str) or not _valid_seconds(median_s):
+            return False
+        self._remote[rank] = _Remote(host[:255], float(median_s), self.now())
+        return True
+
+    def forget(self, rank: int) -> None:
+        """A local rank is gone (exited): it no longer counts, nor is it scored."""
+        self._tracks.pop(rank, None)
+
+    # -- output ------------------------------------------------------------------------
+
+    def local_medians(self) -> dict[int, float]:
+        """Recent medians of local ranks with a full window (what a node shares with others)."""
+        return {rank: statistics.median(t.durations) for rank, t in self._tracks.items()
+                if len(t.durations) == self.window}
+
+    def medians(self) -> dict[int, float]:
+        """Recent medians of every rank that counts: local with a full window, fresh remote."""
+        local = self.local_medians()
+        horizon = self.now() - self.remote_ttl_s
+        remote = {rank: r.median_s for rank, r in self._remote.items()
+                  if r.seen_at >= horizon and rank not in self._tracks}
+        return {**remote, **local}
+
+    def scores(self) -> dict[int, float]:
+        """Current score of every rank that counts (empty with fewer than two)."""
+        return scores(self.medians())
+
+    def stragglers(self) -> list[int]:
+        """Local ranks currently reported as stragglers."""
+        return sorted(rank for rank, t in self._tracks.items() if t.flagged)
+
+    def evaluate(self) -> list[StragglerEvent]:
+        """Update every local rank's state; return the transitions since the last call."""
+        medians = self.medians()
+        ranked = scores(medians)
+        reference = _leave_one_out_medians(medians)
+        out = []
+        for rank in sorted(self._tracks):
+            track = self._tracks[rank]
+            score = ranked.get(rank)
+            if score is None:
+                continue
+            boundary = self.clear_threshold if track.flagged else self.threshold
+            across = score < boundary if track.flagged else score > boundary
+            if not across:
+                track.crossed_at = None
+                continue
+            if track.crossed_at is None:
+                track.crossed_at = track.steps
+            if track.steps - track.crossed_at < self.confirm_steps:
+                continue
+            track.flagged = not track.flagged
+            track.crossed_at = None
+            out.append(StragglerEvent(
+                DETECTED if track.flagged else CLEARED, rank, track.host, self.section,
+                score, self.window, medians[rank], reference[rank], track.steps, self.clock))
+        return out
+
+    def speed_table(self) -> list[dict[str, Any]]:
+        """Every rank's relative speed now (see ``speed_rows``)."""
+        hosts = {rank: r.host for rank, r in self._remote.items()}
+        hosts.update({rank: t.host for rank, t in self._tracks.items()})
+        return speed_rows(self.medians(), hosts, flagged=self.stragglers())
+
+
+# -- pure helpers shared by the detector and ft_report ------------------------------------
+
+
+def _valid_rank(rank: Any) -> bool:
+    return isinstance(rank, int) and not isinstance(rank, bool) and 0 <= rank < 1 << 31
+
+
+def _valid_seconds(value: Any) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value) and 0 <= value <= MAX_DURATION_S)
+
+
+def _leave_one_out_medians(medians: Mapping[int, float]) -> dict[int, float]:
+    """For each rank, the median of the other ranks' medians (needs two ranks or more)."""
+    if len(medians) < 2:
+        return {}
+    ordered = sorted(medians.values())
+    out = {}
+    for rank, value in medians.items():
+        others = list(ordered)
+        others.remove(value)
+        out[rank] = statistics.median(others)
+    return out
+
+
+def scores(medians: Mapping[int, float]) -> dict[int, float]:
+    """Each rank's median over the median of the other ranks' medians.
+
+    Ranks whose reference is zero (sections too short to time) get no score.
+    """
+    return {rank: medians[rank] / ref
+            for rank, ref in _leave_one_out_medians(medians).items() if ref > 0}
+
+
+def speed_rows(medians: Mapping[int, float], hosts: Mapping[int, str] | None = None,
+               flagged: Iterable[int] = ()) -> list[dict[str, Any]]:
+    """One row per rank: ``rank``, ``host``, ``median_s``, ``score`` (time relative to the
+    other ranks), ``speed`` (1/score: 0.5 = half as fast), ``straggler``."""
+    ranked = scores(medians)
+    marked = set(flagged)
+    rows = []
+    for rank in sorted(medians):
+        score = ranked.get(rank)
+        rows.append({
+            "rank": rank,
+            "host": (hosts or {}).get(rank, ""),
+            "median_s": round(medians[rank], 6),
+            "score": None if score is None else round(score, 3),
+            "speed": None if not score else round(1 / score, 3),
+            "straggler": rank in marked,
+        })
+    return rows
+
+
+def speed_table(events: Iterable[Mapping[str, Any]], section: str = "compute"
+                ) -> list[dict[str, Any]]:
+    """Every rank's relative speed per cycle, from a run's events (for ``ft_report``).
+
+    Medians come from the ``interval_stats`` events of kind ``section:<section>`` (``p50``),
+    written at the end of each cycle; ``straggler`` marks ranks with a ``straggler_detected``
+    event in that cycle. Rows are ``speed_rows`` plus ``cycle`` and ``count``. Malformed
+    events are skipped.
+    """
+    kind = f"section:{section}"
+    per_cycle: dict[int, dict[int, float]] = {}
+    counts: dict[tuple[int, int], int] = {}
+    hosts: dict[tuple[int, int], str] = {}
+    detected: dict[int, set[int]] = {}
+    for e in events:
+        cycle, rank = e.get("cycle"), e.get("rank")
+        if not (_valid_rank(cycle) and _valid_rank(rank)):
+            continue
+        if e.get("event") == "interval_stats" and e.get("kind") == kind \
+                and _valid_seconds(e.get("p50")):
+            per_cycle.setdefault(cycle, {})[rank] = float(e["p50"])
+            counts[(cycle, rank)] = e.get("count") if _valid_rank(e.get("count")) else 0
+        elif e.get("event") == DETECTED and e.get("section", section) == section:
+            detected.setdefault(cycle, set()).add(rank)
+            if isinstance(e.get("host"), str):
+                hosts[(cycle, rank)] = e["host"]
+    rows = []
+    for cycle in sorted(per_cycle):
+        medians = per_cycle[cycle]
+        cycle_hosts = {r: h for (c, r), h in hosts.items() if c == cycle}
+        for row in speed_rows(medians, cycle_hosts, detected.get(cycle, ())):
+            rows.append({"cycle": cycle, **row, "count": counts[(cycle, row["rank"])]})
+    return rows
+

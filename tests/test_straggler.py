@@ -1,0 +1,261 @@
+"""Straggler detector (ft_launcher/straggler.py): synthetic section times, injected clock.
+
+The timing rules live here; tests/test_straggler_e2e.py proves the wiring under a real
+launcher. A "step" is one section time per rank, then one evaluate(), as the supervisor does.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ft_launcher.straggler import CLEARED, DETECTED, StragglerDetector, scores, speed_table
+
+BASE_S = 0.1
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def run(det: StragglerDetector, ranks: int, steps: int, duration, start: int = 0):
+    """Feed ``steps`` steps; ``duration(step, rank)`` gives each section time. Returns
+    [(step, event)] for every transition."""
+    out = []
+    for step in range(start, start + steps):
+        for rank in range(ranks):
+            assert det.observe(rank, "compute", duration(step, rank))
+        out += [(step, e) for e in det.evaluate()]
+    return out
+
+
+def noisy(rng: random.Random, spike_p: float = 0.05):
+    """Jitter of +-20 % on every rank, and 3x spikes with probability ``spike_p``."""
+    def duration(step: int, rank: int) -> float:
+        value = BASE_S * rng.uniform(0.8, 1.2)
+        return value * 3 if rng.random() < spike_p else value
+    return duration
+
+
+@pytest.mark.parametrize("ranks", [2, 4, 8])
+@pytest.mark.parametrize("seed", range(5))
+def test_a_2x_slow_rank_is_named_within_20_steps_of_onset(ranks, seed):
+    rng = random.Random(seed)
+    victim, onset = rng.randrange(ranks), 60
+    base = noisy(rng)
+
+    def duration(step, rank):
+        return base(step, rank) * (2 if rank == victim and step >= onset else 1)
+
+    events = run(StragglerDetector(host="node-a"), ranks, 120, duration)
+    assert events, "the slow rank was never reported"
+    step, first = events[0]
+    assert (first.event, first.rank, first.host, first.section) == (DETECTED, victim,
+                                                                    "node-a", "compute")
+    assert onset <= step < onset + 20, f"detected {step - onset} steps after onset"
+    assert first.score > 1.3 and first.window == 20 and first.steps == step + 1
+    assert math.isclose(first.score, first.median_s / first.reference_s)
+    assert [e.event for _, e in events] == [DETECTED], "one report, no flapping"
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), ranks=st.sampled_from([2, 3, 4, 8]),
+       burst=st.integers(0, 5))
+def test_noise_is_never_reported(seed, ranks, burst):
+    """Jitter, 3x spikes on any rank, and short bursts of 3x on one rank (up to a quarter
+    of the window in a row): medians ride over all of it."""
+    rng = random.Random(seed)
+    base = noisy(rng)
+    burst_rank, burst_at = rng.randrange(ranks), rng.randrange(50, 250)
+
+    def duration(step, rank):
+        in_burst = rank == burst_rank and burst_at <= step < burst_at + burst
+        return base(step, rank) * (3 if in_burst else 1)
+
+    det = StragglerDetector()
+    assert run(det, ranks, 300, duration) == []
+    assert det.stragglers() == []
+
+
+def test_a_rank_slower_than_the_threshold_allows_is_not_a_straggler():
+    det = StragglerDetector(threshold=1.3)
+    assert run(det, 4, 200, lambda s, r: BASE_S * (1.15 if r == 2 else 1.0)) == []
+    assert det.scores()[2] == pytest.approx(1.15)
+
+
+def test_a_transient_slowdown_is_detected_then_cleared():
+    rng = random.Random(7)
+    base = noisy(rng)
+    onset, end = 40, 100
+
+    def duration(step, rank):
+        return base(step, rank) * (2 if rank == 1 and onset <= step < end else 1)
+
+    det = StragglerDetector()
+    events = run(det, 4, 200, duration)
+    assert [(e.event, e.rank) for _, e in events] == [(DETECTED, 1), (CLEARED, 1)]
+    (detected_at, _), (cleared_at, cleared) = events
+    assert onset <= detected_at < onset + 20
+    assert end <= cleared_at < end + 20
+    assert cleared.score < det.clear_threshold
+    assert det.stragglers() == []
+
+
+def test_hysteresis_keeps_a_straggler_between_the_thresholds():
+    det = StragglerDetector(threshold=1.3)  # clears below 1.15
+    slow = {"factor": 2.0}
+    events = run(det, 2, 60, lambda s, r: BASE_S * (slow["factor"] if r == 1 else 1))
+    assert [e.event for _, e in events] == [DETECTED]
+    slow["factor"] = 1.2  # between the two thresholds: neither reported again nor cleared
+    assert run(det, 2, 60, lambda s, r: BASE_S * (slow["factor"] if r == 1 else 1),
+               start=60) == []
+    assert det.stragglers() == [1]
+    slow["factor"] = 1.0
+    assert [e.event for _, e in run(det, 2, 60, lambda s, r: BASE_S, start=120)] == [CLEARED]
+
+
+def test_never_decided_on_fewer_than_the_window():
+    """Slow from the very first step: nothing can be said before every rank has a full
+    window, then it takes confirm_steps more."""
+    det = StragglerDetector(window=20)
+    events = run(det, 2, 60, lambda s, r: BASE_S * (3 if r == 0 else 1))
+    assert [(e.event, e.rank) for _, e in events] == [(DETECTED, 0)]
+    step, first = events[0]
+    assert first.steps >= 20 + det.confirm_steps
+    det = StragglerDetector(window=20)
+    assert run(det, 2, 19, lambda s, r: BASE_S * (3 if r == 0 else 1)) == []
+    assert det.scores() == {} and det.local_medians() == {}
+
+
+def test_a_single_rank_has_nobody_to_be_slow_against():
+    det = StragglerDetector(window=5)
+    assert run(det, 1, 50, lambda s, r: BASE_S) == []
+    assert det.scores() == {}
+
+
+def test_evaluating_rarely_still_counts_steps_not_calls():
+    det = StragglerDetector(window=10)
+    for _ in range(10):
+        for rank in (0, 1):
+            det.observe(rank, "compute", BASE_S * (2 if rank == 1 else 1))
+    assert det.evaluate() == []  # crossed; confirm_steps (2) steps still to come
+    assert det.evaluate() == [], "another call without new steps confirms nothing"
+    for _ in range(2):
+        for rank in (0, 1):
+            det.observe(rank, "compute", BASE_S * (2 if rank == 1 else 1))
+    assert [e.rank for e in det.evaluate()] == [1]
+
+
+def test_remote_medians_count_until_they_age_out():
+    clock = Clock()
+    det = StragglerDetector(window=5, now=clock, remote_ttl_s=30, host="node-b")
+    for rank, host in ((0, "node-a"), (1, "node-a"), (2, "node-c")):
+        assert det.observe_remote(rank, host, BASE_S)
+    events = run(det, 0, 0, None)
+    for _ in range(10):
+        det.observe(3, "compute", 2 * BASE_S)
+        events += det.evaluate()
+    assert [(e.event, e.rank, e.host) for e in events] == [(DETECTED, 3, "node-b")]
+    assert events[0].score == pytest.approx(2.0)
+    rows = {r["rank"]: r for r in det.speed_table()}
+    assert rows[0]["host"] == "node-a" and rows[3]["straggler"] and rows[3]["speed"] == 0.5
+    clock.t += 31  # the other nodes went quiet: nobody left to compare with
+    assert det.medians() == {3: pytest.approx(2 * BASE_S)} and det.scores() == {}
+    assert det.evaluate() == [] and det.stragglers() == [3]
+
+
+def test_a_local_rank_beats_a_remote_entry_of_the_same_number():
+    det = StragglerDetector(window=3)
+    det.observe_remote(0, "elsewhere", 100.0)
+    for _ in range(3):
+        det.observe(0, "compute", BASE_S)
+        det.observe(1, "compute", BASE_S)
+    assert det.medians() == {0: BASE_S, 1: BASE_S}
+
+
+@pytest.mark.parametrize("rank, section, seconds", [
+    (0, "step", 0.1), (0, "compute", math.nan), (0, "compute", math.inf),
+    (0, "compute", -0.1), (0, "compute", "0.1"), (True, "compute", 0.1), (-1, "compute", 0.1),
+    (0, "compute", 1e12), (0.0, "compute", 0.1),
+])
+def test_untrusted_values_are_ignored(rank, section, seconds):
+    det = StragglerDetector(window=3)
+    assert det.observe(rank, section, seconds) is False
+    assert det.observe_remote(rank, "h", seconds) is (section == "step" and rank == 0)
+    assert det.local_medians() == {}
+
+
+def test_forget_drops_an_exited_rank():
+    det = StragglerDetector(window=3)
+    run(det, 3, 5, lambda s, r: BASE_S)
+    det.forget(2)
+    assert set(det.medians()) == {0, 1}
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"threshold": 1.0}, "threshold must be a finite number > 1"),
+    ({"threshold": math.nan}, "threshold must be a finite number > 1"),
+    ({"window": 2}, "window must be an integer >= 3"),
+    ({"window": 5.0}, "window must be an integer >= 3"),
+    ({"section": ""}, "section must be a non-empty name"),
+    ({"clear_threshold": 1.5}, "clear_threshold must be in [1, threshold]"),
+])
+def test_bad_settings_are_rejected(kwargs, words):
+    with pytest.raises(ValueError) as err:
+        StragglerDetector(**kwargs)
+    assert words in str(err.value)
+
+
+def test_event_fields_are_json_ready():
+    det = StragglerDetector(window=3, host="h", clock="device")
+    events = run(det, 2, 10, lambda s, r: BASE_S * (2 if r == 1 else 1))
+    fields = events[0][1].fields()
+    assert fields == {"rank": 1, "host": "h", "section": "compute", "score": 2.0,
+                      "window": 3, "median_s": 0.2, "reference_s": 0.1,
+                      "steps": fields["steps"], "clock": "device"}
+
+
+def test_scores_leave_the_rank_itself_out():
+    assert scores({0: 1.0, 1: 2.0}) == {0: 0.5, 1: 2.0}
+    assert scores({0: 1.0, 1: 1.0, 2: 1.0, 3: 2.0})[3] == 2.0
+    assert scores({0: 0.0, 1: 0.0}) == {}  # too short to time: no score
+    assert scores({0: 1.0}) == {}
+
+
+def test_speed_table_from_a_runs_events():
+    events = [
+        {"event": "interval_stats", "cycle": 0, "rank": r, "kind": "section:compute",
+         "count": 50, "p50": p50, "min": 0, "p99": 1, "max": 1}
+        for r, p50 in enumerate((0.1, 0.1, 0.2, 0.1))
+    ] + [
+        {"event": "interval_stats", "cycle": 0, "rank": 0, "kind": "heartbeat", "p50": 9.0,
+         "count": 50},
+        {"event": "straggler_detected", "cycle": 0, "rank": 2, "host": "n1",
+         "section": "compute", "score": 2.0},
+        {"event": "interval_stats", "cycle": 1, "rank": 0, "kind": "section:compute",
+         "count": 7, "p50": 0.1},
+        {"event": "interval_stats", "cycle": 1, "rank": 1, "kind": "section:compute",
+         "count": 7, "p50": 0.1},
+        {"event": "interval_stats", "cycle": 1, "rank": "x", "kind": "section:compute",
+         "p50": 0.1},
+        {"event": "interval_stats", "cycle": 1, "rank": 3, "kind": "section:compute",
+         "p50": math.nan},
+        {"cycle": 1},
+    ]
+    rows = speed_table(events)
+    assert [(r["cycle"], r["rank"]) for r in rows] == [(0, 0), (0, 1), (0, 2), (0, 3),
+                                                       (1, 0), (1, 1)]
+    slow = rows[2]
+    assert slow == {"cycle": 0, "rank": 2, "host": "n1", "median_s": 0.2, "score": 2.0,
+                    "speed": 0.5, "straggler": True, "count": 50}
+    assert rows[0]["score"] == 1.0 and not rows[0]["straggler"]
+    assert all(r["speed"] == 1.0 for r in rows[4:])
+    assert speed_table(events, section="step") == []
