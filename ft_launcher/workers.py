@@ -54,7 +54,6 @@ class Worker:
     proc: subprocess.Popen
     started_at: float
     exit_code: int | None = None  # negative: killed by that signal (Popen convention)
-    ended_at: float | None = None
     _pump: threading.Thread | None = field(default=None, repr=False)
     warm: bool = False  # an activated standby (warm restart), not a fresh spawn
     reported: bool = False  # its exit is on record (events.jsonl)
@@ -171,7 +170,7 @@ class WorkerGroup:
             if w.alive:
                 code = w.proc.poll()
                 if code is not None:
-                    w.exit_code, w.ended_at = code, time.time()
+                    w.exit_code = code
                     exited.append(w)
         return exited
 
@@ -184,6 +183,17 @@ class WorkerGroup:
             os.killpg(worker.pid, signum)
         except (ProcessLookupError, PermissionError):
             pass
+
+    def signal_process(self, worker: Worker, pid: int, signum: int) -> bool:
+        """Send a signal to one process of a worker's group (the worker itself, or a
+        process it started there); False when the pid is not ours or is gone."""
+        try:
+            if pid != worker.pid and os.getpgid(pid) != worker.pid:
+                return False
+            os.kill(pid, signum)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
 
     def stop(self, grace: float, signum: int = signal.SIGTERM) -> None:
         """SIGCONT + ``signum`` to every group, wait up to ``grace``, then SIGKILL."""
