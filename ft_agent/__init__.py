@@ -2,8 +2,30 @@
 
 Light on purpose: importing it loads neither click nor torch nor zmq; the ZeroMQ socket is
 opened by ``RankMonitorClient.init_workload_monitoring()``.
+
+NVRx code ports by changing ``import nvidia_resiliency_ext.fault_tolerance as ft`` to
+``import ft_agent as ft``: the names below are NVRx's, with NVRx's meaning.
 """
 
 from ft_agent.client import RankMonitorClient, RankMonitorClientError, get_client
+from ft_agent.config import ConfigError, FaultToleranceConfig
+from ft_agent.nvrx_types import (
+    CURRENT_TIMEOUTS_STATE_KEY,
+    HeartbeatTimeouts,
+    SectionTimeouts,
+    WorkloadAction,
+    WorkloadControlRequest,
+)
 
-__all__ = ["RankMonitorClient", "RankMonitorClientError", "get_client"]
+__all__ = [
+    "CURRENT_TIMEOUTS_STATE_KEY",
+    "ConfigError",
+    "FaultToleranceConfig",
+    "HeartbeatTimeouts",
+    "RankMonitorClient",
+    "RankMonitorClientError",
+    "SectionTimeouts",
+    "WorkloadAction",
+    "WorkloadControlRequest",
+    "get_client",
+]

@@ -15,10 +15,18 @@ import socket
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator, Mapping
 from typing import Any
 
-from ft_agent import protocol
+from ft_agent import nvrx_types, protocol
+from ft_agent.nvrx_types import (
+    CalculatedMarks,
+    HeartbeatTimeouts,
+    SectionTimeouts,
+    StateDictError,
+    WorkloadAction,
+    WorkloadControlRequest,
+)
 
 log = logging.getLogger("ft_agent")
 
@@ -38,7 +46,13 @@ class RankMonitorClient:
 
     Not thread-safe for concurrent use from several threads without the internal lock;
     every public method takes the lock, and a heartbeat never blocks on the network.
+
+    As in NVRx, ``hb_timeouts`` and ``section_timeouts`` tell which timeouts are in force
+    (as the monitor last reported them), and ``state_dict()`` holds the calculated ones in
+    NVRx's checkpoint layout (``CURRENT_TIMEOUTS_STATE_KEY``).
     """
+
+    CURRENT_TIMEOUTS_STATE_KEY = nvrx_types.CURRENT_TIMEOUTS_STATE_KEY
 
     def __init__(self) -> None:
         self._sock: Any = None
@@ -50,7 +64,9 @@ class RankMonitorClient:
         self._stack_file: Any = None
         self._noblock: int = 0
         self._zmq_error: type[Exception] = Exception
-        self.timeouts: dict[str, Any] = {}
+        self.timeouts: dict[str, Any] = {}  # as the monitor last reported them
+        self._marks = CalculatedMarks()  # which of them this client calculated or loaded
+        self._pending_state: dict[str, Any] | None = None  # loaded before init
         self.rank = int(os.environ.get("RANK", "0"))
         self.cycle = int(os.environ.get("FT_CYCLE", "0"))
 
@@ -61,11 +77,25 @@ class RankMonitorClient:
         """True when connected to a launcher's monitor."""
         return self._enabled
 
-    def init_workload_monitoring(self) -> None:
-        """Connect to the monitor named by ``FT_ENDPOINT`` and say hello.
+    @property
+    def hb_timeouts(self) -> HeartbeatTimeouts:
+        """The heartbeat timeouts in force (NVRx's ``hb_timeouts``); not valid until both
+        are set, calculated or learned."""
+        return nvrx_types.heartbeat_timeouts(self.timeouts, self._marks)
+
+    @property
+    def section_timeouts(self) -> SectionTimeouts:
+        """The section and out-of-section timeouts in force (NVRx's ``section_timeouts``)."""
+        return nvrx_types.section_timeouts(self.timeouts, self._marks)
+
+    def init_workload_monitoring(self, num_warmup_iters: int | None = None) -> None:
+        """Connect to the monitor named by ``FT_ENDPOINT`` and say hello; a state loaded
+        before this call is put in force now.
 
         Raises RankMonitorClientError when the monitor refuses the token or does not
         answer; does nothing (after one warning) outside ``ft_launcher``.
+        ``num_warmup_iters`` is accepted for NVRx code and has no effect: timeouts apply
+        from the first step here.
         """
         if self._enabled:
             return
@@ -106,6 +136,9 @@ class RankMonitorClient:
         self.timeouts = dict(reply.get("timeouts") or {})
         self._register_stack_dump(reply)
         self._enabled = True
+        if self._pending_state is not None:
+            self._set_timeouts(self._pending_state)
+            self._pending_state = None
         _arm_simulated_exit(os.environ.get("FT_SIMULATED_FAULT", ""))
         log.debug("rank %d cycle %d: connected to %s", self.rank, self.cycle, endpoint)
 
@@ -166,43 +199,91 @@ class RankMonitorClient:
         """Have the monitor compute heartbeat timeouts from the intervals it observed.
 
         The monitor measures every interval itself, so no collective call is needed and a
-        missing rank cannot deadlock this. Returns True when new timeouts are in force.
+        missing rank cannot deadlock this. Returns True when new timeouts are in force. As
+        in NVRx, too few observed intervals raise RankMonitorClientError unless
+        ``skip_if_not_ready``, which returns False. Outside ft_launcher: False.
         """
-        return self._request(protocol.CALCULATE, what="hb", skip_if_not_ready=skip_if_not_ready)
+        reply = self._request_reply(protocol.CALCULATE, what="hb",
+                                    skip_if_not_ready=skip_if_not_ready)
+        if reply is None:
+            return False
+        if not reply["ok"]:
+            return self._not_ready(reply, skip_if_not_ready)
+        self._marks.heartbeat = True
+        return True
 
     def calculate_and_set_section_timeouts(
-        self, selected_sections: list[str] | None = None, calc_out_of_section: bool = True
+        self,
+        selected_sections: Collection[str] | None = None,
+        calc_out_of_section: bool = True,
+        skip_if_not_ready: bool = False,
     ) -> bool:
-        """Have the monitor compute section timeouts from the section times it observed."""
-        return self._request(
-            protocol.CALCULATE,
-            what="sections",
-            sections=list(selected_sections) if selected_sections is not None else None,
-            out_of_section=calc_out_of_section,
-        )
+        """Have the monitor compute section timeouts from the section times it observed
+        (only ``selected_sections`` when given; the out-of-section one too when
+        ``calc_out_of_section``). Returns True when they are in force."""
+        wanted = None if selected_sections is None else [str(n) for n in selected_sections]
+        reply = self._request_reply(protocol.CALCULATE, what="sections", sections=wanted,
+                                    out_of_section=calc_out_of_section)
+        if reply is None:
+            return False
+        if not reply["ok"]:
+            return self._not_ready(reply, skip_if_not_ready)
+        # The reply says which timeouts are in force, not which were observed: a selected
+        # section with a timeout now counts as calculated.
+        in_force = self.section_timeouts
+        names = set(in_force.section) if wanted is None else set(wanted)
+        self._marks.sections |= {n for n in names if in_force.section.get(n) is not None}
+        if calc_out_of_section and in_force.out_of_section is not None:
+            self._marks.out_of_section = True
+        return True
 
     def state_dict(self) -> dict[str, Any]:
-        """The timeouts in force, for a checkpoint."""
-        return {"timeouts": dict(self.timeouts)}
+        """The calculated timeouts in force, for a checkpoint, in NVRx's layout
+        (``{"current_timeouts": {"heartbeat": ..., "section": ...}}``; JSON-serialisable)."""
+        return nvrx_types.state_dict_of(self.hb_timeouts, self.section_timeouts)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Put timeouts from a checkpoint back in force at the monitor."""
-        timeouts = state.get("timeouts") if isinstance(state, dict) else None
-        if not isinstance(timeouts, dict):
-            raise ValueError("RankMonitorClient state must be a dict with a 'timeouts' dict")
-        self.timeouts = dict(timeouts)
-        self._request(protocol.SET_TIMEOUTS, timeouts=timeouts)
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Put calculated timeouts from a checkpoint back in force (a state saved by NVRx's
+        client or by this one). May be called before ``init_workload_monitoring``; they are
+        put in force when it connects. Raises ValueError saying what is wrong."""
+        try:
+            timeouts, marks = nvrx_types.timeouts_from_state(state)
+        except StateDictError as exc:
+            raise ValueError(str(exc)) from None
+        self._marks = marks
+        if not self._enabled:
+            self._pending_state = timeouts
+            return
+        self._set_timeouts(timeouts)
+
+    def _set_timeouts(self, timeouts: dict[str, Any]) -> None:
+        if timeouts:
+            self._request(protocol.SET_TIMEOUTS, timeouts=timeouts)
+
+    def _not_ready(self, reply: dict[str, Any], skip_if_not_ready: bool) -> bool:
+        if skip_if_not_ready:
+            return False
+        raise RankMonitorClientError(f"timeouts not calculated: {reply.get('error')}")
 
     # -- control and reports -----------------------------------------------------------
 
-    def send_workload_control_request(self, action: str) -> None:
-        """Ask the launcher to "continue", "exclude_node" (this one) or "shutdown"."""
-        action = getattr(action, "value", action)
+    def send_workload_control_request(
+        self, req: WorkloadControlRequest | WorkloadAction | str
+    ) -> None:
+        """Ask the launcher to go on, exclude this node or shut the job down: NVRx's
+        ``WorkloadControlRequest(WorkloadAction.ExcludeThisNode, "why")``, a
+        ``WorkloadAction``, or "continue" / "exclude_node" / "shutdown"."""
+        description = None
+        if isinstance(req, WorkloadControlRequest):
+            req, description = req.action, req.description
+        action = req.wire if isinstance(req, WorkloadAction) else req
         if action not in protocol.CONTROL_ACTIONS:
             raise ValueError(
-                f"workload control action {action!r}: expected one of {protocol.CONTROL_ACTIONS}"
+                f"workload control action {action!r}: expected a WorkloadControlRequest, a "
+                f"WorkloadAction or one of {protocol.CONTROL_ACTIONS}"
             )
-        self._fire(protocol.CONTROL, action=action)
+        extra = {} if description is None else {"description": str(description)[:1000]}
+        self._fire(protocol.CONTROL, action=action, **extra)
 
     def send_diagnosis(self, **fields: Any) -> None:
         """Forward a rerun state machine event (state, diagnostic, iteration, ...)."""
@@ -240,8 +321,13 @@ class RankMonitorClient:
             pass  # monitor gone or queue full: training must go on
 
     def _request(self, kind: str, **fields: Any) -> bool:
+        reply = self._request_reply(kind, **fields)
+        return reply is not None and bool(reply["ok"])
+
+    def _request_reply(self, kind: str, **fields: Any) -> dict[str, Any] | None:
+        """Send a request and wait for its ack; None when not connected or no answer."""
         if not self._enabled:
-            return False
+            return None
         with self._lock:
             self._req += 1
             req = self._req
@@ -249,12 +335,12 @@ class RankMonitorClient:
             reply = self._wait_for({protocol.ACK}, req)
         if reply is None:
             log.warning("rank %d: monitor did not answer %s request", self.rank, kind)
-            return False
-        if reply.get("timeouts"):
+            return None
+        if isinstance(reply.get("timeouts"), dict):
             self.timeouts = dict(reply["timeouts"])
         if not reply["ok"] and reply.get("error"):
             log.warning("rank %d: %s: %s", self.rank, kind, reply["error"])
-        return bool(reply["ok"])
+        return reply
 
     def _wait_for(self, kinds: set[str], req: int | None) -> dict[str, Any] | None:
         import zmq

@@ -413,7 +413,7 @@ class FaultToleranceCallback(Callback):
         if trainer.local_rank != 0:
             return  # the node's monitor sees every local rank's intervals: one request
         assert self.client is not None and self.timeouts_path is not None
-        if not self.client.calculate_and_set_hb_timeouts():
+        if not self.client.calculate_and_set_hb_timeouts(skip_if_not_ready=True):
             self._info(trainer, "the launcher did not calculate timeouts",
                        level=logging.WARNING)
             return

@@ -13,12 +13,16 @@ from typing import Any
 
 import click
 
+from ft_agent import config as agent_config
 from ft_launcher.config import (
+    DEFAULT_INITIAL_TIMEOUT_S,
+    DEFAULT_MIN_LEARNED_TIMEOUT_S,
     FT_PARSERS,
     ConfigError,
     FaultToleranceConfig,
     LaunchConfig,
-    load_yaml_section,
+    NotApplicable,
+    load_yaml_settings,
     parse_ft_value,
 )
 
@@ -93,7 +97,9 @@ def _default_run_id() -> str:
 # Fault-tolerance options: (option, config key, help). Parsed by config.parse_ft_value.
 FT_OPTIONS = [
     ("--ft-initial-rank-heartbeat-timeout", "initial_rank_heartbeat_timeout",
-     "Seconds from a worker's spawn to its first heartbeat or section ('none' = learn)."),
+     "Seconds from a worker's spawn to its first heartbeat or section ('none' = learn). "
+     f"Defaults to {DEFAULT_INITIAL_TIMEOUT_S:.0f} when any heartbeat or section timeout is "
+     "set; give 'none' to keep it off then."),
     ("--ft-rank-heartbeat-timeout", "rank_heartbeat_timeout",
      "Seconds allowed between heartbeats ('none' = learn from observed intervals)."),
     ("--ft-rank-section-timeouts", "rank_section_timeouts",
@@ -104,6 +110,14 @@ FT_OPTIONS = [
      "Calculated timeout = factor x longest observed interval [5.0]."),
     ("--ft-rank-termination-signal", "rank_termination_signal",
      "Signal sent to a hung rank [SIGKILL]."),
+    ("--ft-min-learned-timeout", "min_learned_timeout",
+     "Floor under every learned, calculated or loaded timeout, in seconds "
+     f"[{DEFAULT_MIN_LEARNED_TIMEOUT_S:.0f}]."),
+    ("--ft-learned-timeouts-override", "learned_timeouts_override",
+     "Let a learned or calculated timeout replace a timeout you configured, lower or "
+     "higher (without it a configured value is never lowered)."),
+    ("--ft-log-level", "log_level",
+     "The launcher's log level: DEBUG, INFO, WARNING, ERROR (NVRx's log_level) [INFO]."),
     ("--ft-state-path", "state_path",
      "Learned timeouts file, reusable by later jobs [RUN_DIR/ft_state.json]."),
     ("--ft-simulated-fault", "simulated_fault",
@@ -120,27 +134,106 @@ FT_OPTIONS = [
 ]
 
 
+FLAG_KEYS = {"skip_bad_iterations", "warm_restart", "learned_timeouts_override"}
+# NVRx's settings of the same name and meaning: their NVRx spellings are accepted too.
+NVRX_KEYS = (*agent_config.BASE_PARSERS, "max_no_progress_cycles", "checkpoint_iteration_file")
+ALIAS_PREFIX = "nvrx_alias__"
+NOT_APPLICABLE_PREFIX = "nvrx_na__"
+
+
+def _nvrx_spellings(key: str) -> list[str]:
+    """NVRx 0.4-0.7 flag spellings of a setting: --ft-a-b, --ft-a_b, --ft_a_b,
+    --ft-param-a_b (0.4), --ft-param-a-b and --ft_param_a_b."""
+    dashed = key.replace("_", "-")
+    names = [f"--ft-{dashed}", f"--ft-{key}", f"--ft_{key}", f"--ft-param-{key}",
+             f"--ft-param-{dashed}", f"--ft_param_{key}"]
+    return list(dict.fromkeys(names))
+
+
 def _ft_option(flag: str, key: str, help_text: str):
-    if key in ("skip_bad_iterations", "warm_restart"):
+    if key in FLAG_KEYS:
         return click.option(flag, key, is_flag=True, default=None, help=help_text)
     return click.option(flag, key, default=None, metavar="VALUE", help=help_text)
+
+
+def _nvrx_options():
+    """Hidden options: NVRx spellings of our settings, and NVRx flags that do not apply
+    here (accepted with one warning each; the README lists them)."""
+    options = []
+    for flag, key, _ in FT_OPTIONS:
+        if key in NVRX_KEYS:
+            aliases = [n for n in _nvrx_spellings(key) if n != flag]
+            options.append(click.option(*aliases, ALIAS_PREFIX + key, default=None,
+                                        hidden=True))
+    for key in agent_config.NVRX_NOT_APPLICABLE:
+        options.append(click.option(*_nvrx_spellings(key), NOT_APPLICABLE_PREFIX + key,
+                                    default=None, hidden=True))
+    for name in agent_config.NVRX_LAUNCHER_FLAGS_NOT_APPLICABLE:
+        under = name.replace("-", "_")
+        options.append(click.option(f"--ft-{name}", f"--ft-{under}", f"--ft_{under}",
+                                    NOT_APPLICABLE_PREFIX + under, default=None, hidden=True))
+    return options
 
 
 def _with_ft_options(func):
     for flag, key, help_text in reversed(FT_OPTIONS):
         func = _ft_option(flag, key, help_text)(func)
+    for option in _nvrx_options():
+        func = option(func)
     return func
 
 
-def build_ft_config(cfg_path: str | None, given: dict[str, Any]) -> FaultToleranceConfig:
-    """Defaults, then the YAML file, then options given on the command line."""
-    values: dict[str, Any] = load_yaml_section(cfg_path) if cfg_path else {}
-    flags = {key: flag for flag, key, _ in FT_OPTIONS}
+def ft_flags_given(opts: dict[str, Any]) -> tuple[dict[str, Any], list[NotApplicable]]:
+    """The --ft-* settings given on the command line (NVRx spellings folded in) and the
+    NVRx flags that do nothing here, checked."""
+    given = {key: opts.get(key) for _, key, _ in FT_OPTIONS}
+    not_applicable = []
+    for name, value in opts.items():
+        if value is None:
+            continue
+        if name.startswith(ALIAS_PREFIX):
+            key = name[len(ALIAS_PREFIX):]
+            if given.get(key) is not None:
+                raise ConfigError(f"{_flag_of(key)} is given twice (once in NVRx spelling)")
+            given[key] = value
+        elif name.startswith(NOT_APPLICABLE_PREFIX):
+            key = name[len(NOT_APPLICABLE_PREFIX):]
+            if key not in agent_config.NVRX_NOT_APPLICABLE:
+                key = _dashed(key)  # a launcher flag without a YAML key
+            item = agent_config.check_not_applicable(key, value, f"--ft-{_dashed(key)}")
+            if item is not None:
+                not_applicable.append(item)
+    return given, not_applicable
+
+
+def _dashed(key: str) -> str:
+    return key.replace("_", "-")
+
+
+def _flag_of(key: str) -> str:
+    return next(flag for flag, k, _ in FT_OPTIONS if k == key)
+
+
+def build_ft_config(cfg_path: str | None, given: dict[str, Any],
+                    not_applicable: list[NotApplicable] | None = None,
+                    ignore_missing_cfg: bool = False) -> FaultToleranceConfig:
+    """Defaults, then the YAML file, then options given on the command line. Settings
+    given either way count as configured; NVRx settings that do nothing here get one
+    warning each."""
+    values: dict[str, Any] = {}
+    ignored = list(not_applicable or [])
+    if cfg_path and ignore_missing_cfg and not Path(cfg_path).exists():
+        log.warning("--ft-cfg-path %s does not exist; --ft-ignore-missing-cfg: using the "
+                    "options and defaults", cfg_path)
+    elif cfg_path:
+        values, from_file = load_yaml_settings(cfg_path)
+        ignored = from_file + ignored
     for key, value in given.items():
         if value is not None:
-            values[key] = parse_ft_value(key, value, flags[key])
+            values[key] = parse_ft_value(key, value, _flag_of(key))
     assert set(values) <= set(FT_PARSERS)
-    return FaultToleranceConfig(**values)
+    agent_config.warn_not_applicable(ignored)
+    return FaultToleranceConfig.from_values(values)
 
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
@@ -201,20 +294,25 @@ CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
               help="Grace between SIGTERM and SIGKILL when stopping a group.")
 @click.option("--ft-run-dir", "run_dir", default=None,
               help="Run directory [./ft_runs/RUN_ID].")
-@click.option("--ft-cfg-path", "cfg_path", default=None,
+@click.option("--ft-cfg-path", "--ft-cfg_path", "cfg_path", default=None,
               help="YAML file with a 'fault_tolerance:' section (NVRx key names).")
+@click.option("--ft-ignore-missing-cfg", "ignore_missing_cfg", is_flag=True,
+              help="Run with options and defaults when the --ft-cfg-path file is missing.")
 @_with_ft_options
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
 @click.argument("training_script")
 @click.argument("training_script_args", nargs=-1, type=click.UNPROCESSED)
 def cli(**opts: Any) -> None:
+    verbose = opts.pop("verbose")
     logging.basicConfig(
-        level=logging.DEBUG if opts.pop("verbose") else logging.INFO,
+        level=logging.DEBUG if verbose else logging.INFO,
         format="[ft_launcher %(asctime)s] %(message)s",
         stream=sys.stderr,
     )
     try:
         cfg = build_launch_config(opts)
+        if not verbose:  # NVRx's log_level; -v still means debug
+            logging.getLogger().setLevel(cfg.ft.log_level)
         from ft_launcher.supervisor import Supervisor  # after validation: imports zmq
 
         supervisor = Supervisor(cfg)
@@ -225,7 +323,9 @@ def cli(**opts: Any) -> None:
 
 def build_launch_config(opts: dict[str, Any]) -> LaunchConfig:
     """Turn parsed options into a LaunchConfig; raises ConfigError for user mistakes."""
-    ft = build_ft_config(opts["cfg_path"], {key: opts[key] for _, key, _ in FT_OPTIONS})
+    given, not_applicable = ft_flags_given(opts)
+    ft = build_ft_config(opts["cfg_path"], given, not_applicable,
+                         bool(opts.get("ignore_missing_cfg")))
     min_nodes, max_nodes = _parse_nnodes(opts["nnodes"])
     nproc_text = str(opts["nproc_per_node"])
     if nproc_text == "cpu":

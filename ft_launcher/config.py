@@ -2,37 +2,42 @@
 
 Precedence: an option given on the command line beats the YAML file (``--ft-cfg-path``),
 which beats the built-in default. The CLI tells which options were given explicitly.
+The NVRx-shared settings, their value checks and the YAML reader live in
+``ft_agent.config`` (training code reads the same file); this module adds the launcher's own.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-
-class ConfigError(ValueError):
-    """A user mistake in options or the YAML file; the message names the option or key."""
+from ft_agent import config as agent_config
+from ft_agent.config import (  # noqa: F401 - re-exported for the launcher's modules
+    DEFAULT_INITIAL_TIMEOUT_S,
+    DEFAULT_MIN_LEARNED_TIMEOUT_S,
+    ConfigError,
+    NotApplicable,
+    Parser,
+    parse_int,
+    parse_number,
+    parse_section_timeouts,
+    parse_signal,
+)
+from ft_agent.config import parse_bool as _parse_bool
+from ft_agent.config import parse_optional_str as _parse_optional_str
+from ft_agent.config import parse_timeout as _parse_timeout  # noqa: F401
 
 
 @dataclass
-class FaultToleranceConfig:
-    """Hang detection, policy and fault-injection settings (NVRx key names where shared).
+class FaultToleranceConfig(agent_config.FaultToleranceConfig):
+    """Hang detection (NVRx's settings, inherited), policy and fault-injection settings.
 
     A timeout of None is off, except the two heartbeat timeouts, where None means "learn":
     the monitor arms them once it has observed enough intervals (see monitor.py).
     """
 
-    initial_rank_heartbeat_timeout: float | None = None
-    rank_heartbeat_timeout: float | None = None
-    rank_section_timeouts: dict[str, float | None] = field(default_factory=dict)
-    rank_out_of_section_timeout: float | None = None
-    safety_factor: float = 5.0
-    rank_termination_signal: int = int(signal.SIGKILL)
-    workload_check_interval: float | None = None  # accepted for NVRx files; unused
     state_path: str | None = None
     simulated_fault: str | None = None
     skip_bad_iterations: bool = False
@@ -41,91 +46,20 @@ class FaultToleranceConfig:
     warm_restart: bool = False
     preload: list[str] = field(default_factory=lambda: ["torch"])
 
-
-# YAML keys accepted under ``fault_tolerance:``, each mapped to a parser.
-def _parse_timeout(name: str, value: Any) -> float | None:
-    if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "off")):
-        return None
-    try:
-        seconds = float(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{name}: expected seconds or 'none', got {value!r}") from None
-    if seconds <= 0:
-        raise ConfigError(f"{name}: must be positive, got {value!r}")
-    return seconds
-
-
-def parse_section_timeouts(name: str, value: Any) -> dict[str, float | None]:
-    """``"step:30,ckpt:600"`` or a mapping -> {section: seconds or None}."""
-    if value is None or value == "":
-        return {}
-    if isinstance(value, dict):
-        items = list(value.items())
-    elif isinstance(value, str):
-        items = []
-        for part in value.split(","):
-            section, sep, seconds = part.strip().partition(":")
-            if not sep or not section:
-                raise ConfigError(f"{name}: expected name:seconds[,name:seconds], got {part!r}")
-            items.append((section.strip(), seconds.strip()))
-    else:
-        raise ConfigError(f"{name}: expected a mapping or name:seconds list, got {value!r}")
-    return {str(k): _parse_timeout(f"{name}[{k}]", v) for k, v in items}
-
-
-def parse_signal(name: str, value: Any) -> int:
-    """``SIGKILL``, ``KILL`` or ``9`` -> 9."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        number = value
-    else:
-        text = str(value).strip().upper()
-        if text.isdigit():
-            number = int(text)
-        else:
-            try:
-                number = int(signal.Signals[text if text.startswith("SIG") else "SIG" + text])
-            except KeyError:
-                raise ConfigError(f"{name}: unknown signal {value!r}") from None
-    if number not in {int(s) for s in signal.Signals}:
-        raise ConfigError(f"{name}: unknown signal {value!r}")
-    return number
+    @classmethod
+    def parsers(cls) -> dict[str, Parser]:
+        return FT_PARSERS
 
 
 def _parse_positive_float(name: str, value: Any) -> float:
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{name}: expected a number, got {value!r}") from None
-    if number <= 0:
-        raise ConfigError(f"{name}: must be positive, got {value!r}")
-    return number
-
-
-def _parse_bool(name: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise ConfigError(f"{name}: expected true or false, got {value!r}")
+    return parse_number(name, value, high=float("1e12"))
 
 
 def _parse_optional_int(name: str, value: Any) -> int | None:
-    if value is None or str(value).lower() == "none":
+    # NVRx turns progress tracking off with 0; here that is None.
+    if value is None or str(value).strip().lower() in ("none", "0"):
         return None
-    try:
-        number = int(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{name}: expected an integer, got {value!r}") from None
-    if number < 1:
-        raise ConfigError(f"{name}: must be at least 1, got {value!r}")
-    return number
-
-
-def _parse_optional_str(name: str, value: Any) -> str | None:
-    return None if value is None else str(value)
+    return parse_int(name, value, low=1)
 
 
 def _parse_list(name: str, value: Any) -> list[str]:
@@ -136,14 +70,8 @@ def _parse_list(name: str, value: Any) -> list[str]:
     raise ConfigError(f"{name}: expected a comma-separated list of module names, got {value!r}")
 
 
-FT_PARSERS = {
-    "initial_rank_heartbeat_timeout": _parse_timeout,
-    "rank_heartbeat_timeout": _parse_timeout,
-    "rank_section_timeouts": parse_section_timeouts,
-    "rank_out_of_section_timeout": _parse_timeout,
-    "safety_factor": _parse_positive_float,
-    "rank_termination_signal": parse_signal,
-    "workload_check_interval": _parse_positive_float,
+FT_PARSERS: dict[str, Parser] = {
+    **agent_config.BASE_PARSERS,
     "state_path": _parse_optional_str,
     "simulated_fault": _parse_optional_str,
     "skip_bad_iterations": _parse_bool,
@@ -152,7 +80,8 @@ FT_PARSERS = {
     "warm_restart": _parse_bool,
     "preload": _parse_list,
 }
-assert set(FT_PARSERS) == {f.name for f in dataclasses.fields(FaultToleranceConfig)}
+assert set(FT_PARSERS) == {f.name for f in dataclasses.fields(FaultToleranceConfig)} - {
+    "configured"}
 
 
 def parse_ft_value(key: str, value: Any, source: str) -> Any:
@@ -160,37 +89,17 @@ def parse_ft_value(key: str, value: Any, source: str) -> Any:
     return FT_PARSERS[key](source, value)
 
 
-def load_yaml_section(path: str) -> dict[str, Any]:
-    """Read ``fault_tolerance:`` from a YAML file, parsed; unknown keys are an error."""
-    import yaml
+def load_yaml_settings(path: str) -> tuple[dict[str, Any], list[NotApplicable]]:
+    """``fault_tolerance:`` of a YAML file, parsed, and the NVRx keys that do nothing here.
+    A key unknown to both is an error with a "did you mean" hint."""
+    return agent_config.parse_settings(agent_config.read_yaml_section(path), FT_PARSERS, path)
 
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise ConfigError(f"--ft-cfg-path: cannot read {path}: {exc.strerror}") from None
-    try:
-        doc = yaml.safe_load(text) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"--ft-cfg-path: {path} is not valid YAML: {exc}") from None
-    if not isinstance(doc, dict):
-        raise ConfigError(f"--ft-cfg-path: {path}: expected a mapping at the top level")
-    unknown_top = set(doc) - {"fault_tolerance"}
-    if unknown_top:
-        raise ConfigError(
-            f"--ft-cfg-path: {path}: unknown top-level key(s) {sorted(unknown_top)}; "
-            "settings go under 'fault_tolerance:'"
-        )
-    section = doc.get("fault_tolerance") or {}
-    if not isinstance(section, dict):
-        raise ConfigError(f"--ft-cfg-path: {path}: 'fault_tolerance' must be a mapping")
-    parsed = {}
-    for key, value in section.items():
-        if key not in FT_PARSERS:
-            close = difflib.get_close_matches(str(key), FT_PARSERS, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(f"{path}: unknown key fault_tolerance.{key}{hint}")
-        parsed[key] = parse_ft_value(key, value, f"{path}: fault_tolerance.{key}")
-    return parsed
+
+def load_yaml_section(path: str) -> dict[str, Any]:
+    """The parsed settings of a YAML file (warning once per NVRx key not applicable)."""
+    values, ignored = load_yaml_settings(path)
+    agent_config.warn_not_applicable(ignored)
+    return values
 
 
 @dataclass

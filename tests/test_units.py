@@ -201,7 +201,7 @@ def test_agent_import_is_light_and_a_no_op_without_launcher():
                          timeout=60, env=env)
     assert res.returncode == 0, res.stderr
     assert "WARN ft_agent: FT_ENDPOINT is not set" in res.stdout
-    assert json.loads(res.stdout.splitlines()[-1].replace("'", '"')) == {"timeouts": {}}
+    assert json.loads(res.stdout.splitlines()[-1].replace("'", '"')) == {"current_timeouts": {}}
 
 
 def test_activity_time_stamps_are_clamped():
