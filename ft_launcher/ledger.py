@@ -196,9 +196,7 @@ class Ledger:
             self.uses_progress = True
 
     def _new_attempt(self, record: dict[str, Any], ts: float) -> None:
-        given = _int(record.get("attempt"))
-        if given is None or given < 1:
-            given = self.attempts[-1].n + 1 if self.attempts else 1
+        given = attempt_number(record, self.attempts[-1].n if self.attempts else None)
         if self.attempts:
             prev = self.attempts[-1]
             if prev.end is None:  # the previous launcher died without a word
@@ -485,6 +483,30 @@ class Ledger:
     def _last_checkpoint(c: _Cycle, before: float) -> tuple[float, int] | None:
         saved = [(ts, it) for ts, it in c.checkpoints if ts <= before]
         return max(saved) if saved else None
+
+
+def attempt_number(launcher_started: dict[str, Any], previous: int | None) -> int:
+    """The attempt a ``launcher_started`` record opens: its ``attempt`` field, else the one
+    after ``previous`` (records of an older launcher carry none), else 1."""
+    given = _int(launcher_started.get("attempt"))
+    if given is not None and given >= 1:
+        return given
+    return previous + 1 if previous is not None else 1
+
+
+def split_attempts(records: list[dict[str, Any]]) -> list[tuple[int, list[dict[str, Any]]]]:
+    """The records of a run directory, cut at each ``launcher_started``, with the attempt
+    number of each part (records before the first launcher_started belong to attempt 1)."""
+    parts: list[tuple[int, list[dict[str, Any]]]] = []
+    for record in records:
+        if not isinstance(record, dict):
+            continue
+        if record.get("event") == "launcher_started" or not parts:
+            n = attempt_number(record, parts[-1][0] if parts else None) \
+                if record.get("event") == "launcher_started" else 1
+            parts.append((n, []))
+        parts[-1][1].append(record)
+    return parts
 
 
 def ledger_of(records: list[dict[str, Any]]) -> Ledger:

@@ -1,7 +1,9 @@
-"""``ft_report RUN_DIR``: heartbeat and section intervals, timeouts, and each cycle's faults.
+"""``ft_report RUN_DIR``: heartbeat and section intervals, timeouts, each cycle's faults,
+the goodput ledger (where the time went), and with ``--html FILE`` a timeline page.
 
 Reads only the run directory (events.jsonl, ft_state.json, summary.json), so it works on a
-finished job, a running one, or a copy taken from a cluster.
+finished job, a running one, or a copy taken from a cluster. Attempts (a requeued job that
+reused its run directory) are kept apart: every row names its attempt.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any
 
 import click
 
+from ft_launcher.ledger import ledger_of, split_attempts
 from ft_launcher.rundir import read_events
 
 FAILURE_EVENTS = ("fault_injected", "hang_detected", "worker_exited")
@@ -99,14 +102,20 @@ def cycle_rows(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def build_report(run_dir: Path) -> dict[str, Any]:
-    events = read_events(run_dir)
+def build_report(run_dir: Path, events: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Everything ft_report shows, JSON-ready. Interval and cycle rows carry their attempt."""
+    if events is None:
+        events = read_events(run_dir)
     try:
         summary = json.loads((run_dir / "summary.json").read_text())
     except (OSError, ValueError):
         summary = None
-    return {"run_dir": str(run_dir), "intervals": interval_rows(run_dir, events),
-            "cycles": cycle_rows(events), "summary": summary}
+    intervals, cycles = [], []
+    for attempt, part in split_attempts(events):
+        intervals += [{"attempt": attempt, **r} for r in interval_rows(run_dir, part)]
+        cycles += [{"attempt": attempt, **r} for r in cycle_rows(part)]
+    return {"run_dir": str(run_dir), "intervals": intervals, "cycles": cycles,
+            "ledger": ledger_of(events).summary(), "summary": summary}
 
 
 def _fmt(value: Any) -> str:
@@ -117,23 +126,82 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
-def render_text(report: dict[str, Any]) -> str:
-    lines = [f"Run {report['run_dir']}", "", "Intervals (seconds)"]
-    head = ["cycle", "rank", "kind", "count", "min", "p50", "p99", "max", "timeout", "calculated"]
-    table = [head] + [
-        [_fmt(r[k]) for k in ("cycle", "rank", "kind", "count", "min", "p50", "p99", "max",
-                              "timeout_in_force", "timeout_calculated")]
-        for r in report["intervals"]
-    ]
+def _table(head: list[str], rows: list[list[str]], indent: str = "") -> list[str]:
+    table = [head] + rows
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
-    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in table]
-    lines += ["", "Cycles"]
-    for c in report["cycles"]:
-        lines.append(
-            f"  cycle {c['cycle']}: {'; '.join(c['faults']) or 'no fault'}"
-            f" | detection {_fmt(c['detection_s'])} s | restart {_fmt(c['restart_s'])} s"
-            f" | all ranks back {_fmt(c['reconnect_s'])} s | {c['decision'] or ''}"
-        )
+    return [indent + "  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True))
+            for row in table]
+
+
+def _pct(value: Any) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+LEDGER_COLUMNS = [
+    ("cycle", "cycle"), ("cause", "cause"), ("fault->detected", "detection_s"),
+    ("teardown", "teardown_s"), ("rendezvous", "rendezvous_s"),
+    ("spawn->1st step", "spawn_to_first_step_s"), ("productive", "productive_s"),
+    ("work lost", "work_lost_s"), ("steps lost", "work_lost_steps"),
+    ("ckpt step", "checkpoint_step"), ("resumed at", "next_cycle_first_step"),
+]
+
+
+def render_ledger(attempt: dict[str, Any], progress_reported: bool) -> list[str]:
+    """The goodput ledger of one attempt as text lines."""
+    rows = []
+    for c in attempt["cycles"]:
+        row = [_fmt(c[key]) for _, key in LEDGER_COLUMNS]
+        if c["no_progress"]:
+            row[1] += " - NO PROGRESS"
+        rows.append(row)
+    lines = _table([name for name, _ in LEDGER_COLUMNS], rows, "  ")
+    lost = ", ".join(f"{k} {v:.3f}" for k, v in attempt["lost_s"].items() if v)
+    by_cause = ", ".join(f"{k} {v:.3f}" for k, v in attempt["lost_by_cause_s"].items())
+    lines += [
+        f"  wall {attempt['wall_s']:.3f} s, productive {attempt['productive_s']:.3f} s, "
+        f"goodput {_pct(attempt['goodput'])}",
+        f"  lost by phase (s): {lost or 'nothing'}",
+        f"  lost by cause (s): {by_cause or 'nothing'}",
+    ]
+    if not progress_reported:
+        lines.append("  (the training reported no steps or checkpoints: work lost to a fault "
+                     "is unknown and counted as productive; goodput is an upper bound)")
+    return lines
+
+
+def render_text(report: dict[str, Any]) -> str:
+    ledger = report.get("ledger") or {"attempts": [], "progress_reported": False}
+    several = len(ledger["attempts"]) > 1
+    lines = [f"Run {report['run_dir']}"]
+    attempts = sorted({r.get("attempt", 1) for r in report["intervals"] + report["cycles"]}
+                      | {a["attempt"] for a in ledger["attempts"]}) or [1]
+    for n in attempts:
+        if several:
+            lines += ["", f"=== Attempt {n} ==="]
+        lines += ["", "Intervals (seconds)"]
+        lines += _table(
+            ["cycle", "rank", "kind", "count", "min", "p50", "p99", "max", "timeout",
+             "calculated"],
+            [[_fmt(r[k]) for k in ("cycle", "rank", "kind", "count", "min", "p50", "p99", "max",
+                                   "timeout_in_force", "timeout_calculated")]
+             for r in report["intervals"] if r.get("attempt", 1) == n])
+        lines += ["", "Cycles"]
+        for c in report["cycles"]:
+            if c.get("attempt", 1) != n:
+                continue
+            lines.append(
+                f"  cycle {c['cycle']}: {'; '.join(c['faults']) or 'no fault'}"
+                f" | detection {_fmt(c['detection_s'])} s | restart {_fmt(c['restart_s'])} s"
+                f" | all ranks back {_fmt(c['reconnect_s'])} s | {c['decision'] or ''}"
+            )
+        for a in ledger["attempts"]:
+            if a["attempt"] == n:
+                lines += ["", "Goodput ledger (seconds)"]
+                lines += render_ledger(a, ledger["progress_reported"])
+    if several:
+        lines += ["", f"All {len(ledger['attempts'])} attempts: wall {ledger['wall_s']:.3f} s, "
+                      f"productive {ledger['productive_s']:.3f} s, "
+                      f"goodput {_pct(ledger['goodput'])}"]
     s = report["summary"]
     if s:
         lines += ["", f"Exit {s['exit_code']}: {s['reason']} ({s['restarts']} restarts); "
@@ -145,11 +213,25 @@ def render_text(report: dict[str, Any]) -> str:
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("run_dir", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def cli(run_dir: Path, as_json: bool) -> None:
-    """Report heartbeat/section intervals, timeouts and faults of an ft_launcher run."""
+@click.option("--html", "html_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Also write a self-contained timeline page of the run to this file "
+                   "(needs the extra: pip install 'ft-launcher[report]').")
+def cli(run_dir: Path, as_json: bool, html_path: Path | None) -> None:
+    """Report heartbeat/section intervals, timeouts, faults and the goodput ledger of an
+    ft_launcher run."""
     if not (run_dir / "events.jsonl").is_file():
         raise click.ClickException(f"{run_dir}: no events.jsonl (not an ft_launcher run dir)")
-    report = build_report(run_dir)
+    events = read_events(run_dir)
+    report = build_report(run_dir, events)
+    if html_path is not None:
+        from ft_launcher import timeline  # plotly is imported only here
+
+        try:
+            timeline.write_html(html_path, events, report)
+        except timeline.MissingExtra as exc:
+            raise click.ClickException(str(exc)) from None
+        except OSError as exc:
+            raise click.ClickException(f"--html {html_path}: {exc.strerror or exc}") from None
     if as_json:
         json.dump(report, sys.stdout, indent=2)
         sys.stdout.write("\n")
