@@ -161,11 +161,9 @@ class Ledger:
 
     def add(self, record: dict[str, Any]) -> None:
         """Consume one event record; malformed records are ignored."""
-        if not isinstance(record, dict):
+        if not well_formed(record):
             return
-        ts, name, n = _num(record.get("ts")), record.get("event"), _int(record.get("cycle"))
-        if ts is None or not isinstance(name, str) or n is None or n < 0:
-            return
+        ts, name, n = float(record["ts"]), record["event"], record["cycle"]
         if name == "launcher_started" or not self.attempts:
             self._new_attempt(record, ts)
         att = self.attempts[-1]
@@ -485,6 +483,15 @@ class Ledger:
         return max(saved) if saved else None
 
 
+def well_formed(record: Any) -> bool:
+    """A record with a finite ``ts``, a string ``event`` and a cycle number ≥ 0."""
+    if not isinstance(record, dict):
+        return False
+    cycle = _int(record.get("cycle"))
+    return _num(record.get("ts")) is not None and isinstance(record.get("event"), str) \
+        and cycle is not None and cycle >= 0
+
+
 def attempt_number(launcher_started: dict[str, Any], previous: int | None) -> int:
     """The attempt a ``launcher_started`` record opens: its ``attempt`` field, else the one
     after ``previous`` (records of an older launcher carry none), else 1."""
@@ -495,11 +502,11 @@ def attempt_number(launcher_started: dict[str, Any], previous: int | None) -> in
 
 
 def split_attempts(records: list[dict[str, Any]]) -> list[tuple[int, list[dict[str, Any]]]]:
-    """The records of a run directory, cut at each ``launcher_started``, with the attempt
-    number of each part (records before the first launcher_started belong to attempt 1)."""
+    """The well-formed records of a run directory, cut at each ``launcher_started``, with
+    the attempt number of each part (records before the first one belong to attempt 1)."""
     parts: list[tuple[int, list[dict[str, Any]]]] = []
     for record in records:
-        if not isinstance(record, dict):
+        if not well_formed(record):
             continue
         if record.get("event") == "launcher_started" or not parts:
             n = attempt_number(record, parts[-1][0] if parts else None) \

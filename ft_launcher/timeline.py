@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ft_launcher.ledger import PHASES
+from ft_launcher.ledger import PHASES, well_formed
 
 # Events too frequent or too internal to draw as marks.
 SKIPPED = {"interval_stats", "timeouts_updated"}
@@ -82,7 +82,7 @@ def _hover(record: dict[str, Any], t0: float) -> str:
 def build_figure(events: list[dict[str, Any]], report: dict[str, Any]) -> Any:
     """The plotly figure of a run: lanes with marks, shaded phases, the ledger beside."""
     go, make_subplots = _plotly()
-    timed = [e for e in events if isinstance(e, dict) and _when(e) is not None]
+    timed = [e for e in events if well_formed(e) and _when(e) is not None]
     t0 = min((_when(e) for e in timed), default=0.0)
     ranks = sorted({lane for e in timed for lane in _lanes_of(e) if lane != LAUNCHER_LANE},
                    key=lambda lane: int(lane.split()[1]))
