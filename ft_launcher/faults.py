@@ -3,7 +3,9 @@
 ``rank_killed`` (SIGKILL) and ``rank_hung`` (SIGSTOP) are delivered from outside the worker,
 so they work for any script. ``rank_exit`` needs the worker to exit with a given code, which
 only the worker can do: the launcher arms it through ``FT_SIMULATED_FAULT`` and ft_agent,
-once initialised in the worker, exits at the planned time.
+once initialised in the worker, exits at the planned time. ``rank_slow:factor=F`` slows
+the rank to ~1/F of its speed from outside (SIGSTOP/SIGCONT duty cycle, ft_launcher/throttle.py)
+until the cycle ends, or for ``duration`` seconds.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from dataclasses import dataclass
 
 from ft_launcher.config import ConfigError
 
-FAULT_TYPES = ("rank_killed", "rank_hung", "random", "rank_exit")
+FAULT_TYPES = ("rank_killed", "rank_hung", "random", "rank_exit", "rank_slow")
 KEYS = ("base_delay", "rand_delay", "rank", "cycles", "seed", "code")
+SLOW_KEYS = ("factor", "duration")  # rank_slow only
 
 
 @dataclass
@@ -31,6 +34,8 @@ class FaultPlan:
     cycles: range | None = range(0, 1)  # None: every cycle
     seed: int | None = None
     code: int = 1
+    factor: float | None = None  # rank_slow: run at 1/factor of the speed
+    duration: float | None = None  # rank_slow: seconds; None: until the cycle ends
 
     def fires_in(self, cycle: int) -> bool:
         return self.cycles is None or cycle in self.cycles
@@ -45,6 +50,8 @@ class ArmedFault:
     at: float
     code: int = 1
     fired: bool = False
+    factor: float | None = None  # rank_slow
+    duration: float | None = None  # rank_slow
 
     @property
     def signum(self) -> int:
@@ -90,14 +97,20 @@ def parse_fault(text: str) -> FaultPlan:
             f"expected one of {', '.join(FAULT_TYPES)}"
         )
     plan = FaultPlan(fault_type)
+    keys = KEYS + SLOW_KEYS if fault_type == "rank_slow" else KEYS
     for item in filter(None, (p.strip() for p in rest.split(","))):
         key, sep, value = item.partition("=")
-        if not sep or key not in KEYS:
+        if sep and key in SLOW_KEYS and key not in keys:
+            raise ConfigError(f"--ft-simulated-fault: {key}= applies to rank_slow only, not to "
+                              f"{fault_type}")
+        if not sep or key not in keys:
             raise ConfigError(
                 f"--ft-simulated-fault: unknown key {key!r}; expected key=value with key one "
-                f"of {', '.join(KEYS)}"
+                f"of {', '.join(keys)}"
             )
-        if key in ("base_delay", "rand_delay"):
+        if key in SLOW_KEYS:
+            setattr(plan, key, _slow_number(key, value))
+        elif key in ("base_delay", "rand_delay"):
             setattr(plan, key, float(_number(key, value, float)))
         elif key == "cycles":
             plan.cycles = _cycles(value)
@@ -113,7 +126,24 @@ def parse_fault(text: str) -> FaultPlan:
     elif "code" in given:
         raise ConfigError(f"--ft-simulated-fault: code= applies to rank_exit only, not to "
                           f"{plan.fault_type}")
+    if plan.fault_type == "rank_slow" and plan.factor is None:
+        raise ConfigError("--ft-simulated-fault: rank_slow needs factor=F > 1 "
+                          "(e.g. factor=2: half speed)")
     return plan
+
+
+def _slow_number(key: str, value: str) -> float:
+    """rank_slow's factor (> 1: the rank runs at 1/factor) and duration (seconds > 0)."""
+    try:
+        number = float(value)
+    except ValueError:
+        raise ConfigError(f"--ft-simulated-fault: {key}={value!r} is not a number") from None
+    low = 1.0 if key == "factor" else 0.0
+    if not (math.isfinite(number) and number > low):
+        what = "the rank runs at 1/factor of its speed" if key == "factor" else "seconds"
+        raise ConfigError(f"--ft-simulated-fault: {key}={value!r} must be a finite number "
+                          f"> {low:g} ({what})")
+    return number
 
 
 def validate_world(plan: FaultPlan, world_size: int) -> None:
@@ -135,4 +165,5 @@ def arm(plan: FaultPlan, cycle: int, world_size: int, run_id: str) -> ArmedFault
     if fault_type == "random":
         fault_type = rng.choice(("rank_killed", "rank_hung"))
     delay = plan.base_delay + rng.uniform(0.0, plan.rand_delay)
-    return ArmedFault(fault_type, rank, time.time() + delay, plan.code)
+    return ArmedFault(fault_type, rank, time.time() + delay, plan.code,
+                      factor=plan.factor, duration=plan.duration)

@@ -16,6 +16,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from ft_launcher import faults
+from ft_launcher.config import ConfigError
 from ft_launcher.throttle import Throttle, duty_cycle
 
 pytestmark = pytest.mark.timeout(60)
@@ -166,3 +168,38 @@ def test_stop_before_start_continues_and_disarms(busy):
     throttle.start()  # after stop: nothing starts
     assert not throttle.running
     count(busy)
+
+
+# -- --ft-simulated-fault rank_slow:factor=F (ft_launcher/faults.py) ----------------------
+
+
+def test_rank_slow_is_parsed_and_armed_with_its_factor():
+    plan = faults.parse_fault("rank_slow:factor=2.5,rank=1,base_delay=3,duration=4")
+    assert (plan.fault_type, plan.factor, plan.rank, plan.base_delay, plan.duration) == (
+        "rank_slow", 2.5, 1, 3.0, 4.0)
+    armed = faults.arm(plan, 0, 2, "run")
+    assert (armed.fault_type, armed.rank, armed.factor, armed.duration) == (
+        "rank_slow", 1, 2.5, 4.0)
+    assert faults.parse_fault("rank_slow:factor=2").duration is None  # until the cycle ends
+
+
+@pytest.mark.parametrize("text, words", [
+    ("rank_slow", "rank_slow needs factor=F > 1"),
+    ("rank_slow:rank=1", "rank_slow needs factor=F > 1"),
+    ("rank_slow:factor=1", "factor='1' must be a finite number > 1"),
+    ("rank_slow:factor=0.5", "factor='0.5' must be a finite number > 1"),
+    ("rank_slow:factor=inf", "factor='inf' must be a finite number > 1"),
+    ("rank_slow:factor=nan", "factor='nan' must be a finite number > 1"),
+    ("rank_slow:factor=fast", "factor='fast' is not a number"),
+    ("rank_slow:factor=2,duration=0", "duration='0' must be a finite number > 0"),
+    ("rank_killed:factor=2", "factor= applies to rank_slow only, not to rank_killed"),
+    ("rank_hung:duration=2", "duration= applies to rank_slow only, not to rank_hung"),
+    ("rank_slow:factor=2,code=3", "code= applies to rank_exit only"),
+    ("rank_slow:factor=2,speed=3", "key one of base_delay, rand_delay, rank, cycles, seed, "
+                                   "code, factor, duration"),
+])
+def test_rank_slow_errors_name_the_option(text, words):
+    with pytest.raises(ConfigError) as err:
+        faults.parse_fault(text)
+    assert str(err.value).startswith("--ft-simulated-fault: ")
+    assert words in str(err.value)
