@@ -131,6 +131,14 @@ FT_OPTIONS = [
      "File holding the last checkpointed iteration (written by the training)."),
     ("--ft-warm-restart", "warm_restart", "Keep standby workers with imports done."),
     ("--ft-preload", "preload", "Modules standby workers import [torch]."),
+    ("--ft-metrics-port", "metrics_port",
+     "Serve Prometheus metrics (ft_* names) on this port (pip install "
+     "'ft-launcher[metrics]') [off]."),
+    ("--ft-metrics-addr", "metrics_addr",
+     "Address the metrics port binds to [127.0.0.1]."),
+    ("--ft-status-interval", "status_interval",
+     "Seconds between the launcher's status lines: elapsed, cycle, restarts, last step, "
+     "goodput (0 = off) [60]."),
 ]
 
 

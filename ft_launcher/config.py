@@ -45,6 +45,9 @@ class FaultToleranceConfig(agent_config.FaultToleranceConfig):
     checkpoint_iteration_file: str | None = None
     warm_restart: bool = False
     preload: list[str] = field(default_factory=lambda: ["torch"])
+    metrics_port: int | None = None  # Prometheus metrics (ft_launcher.metrics); None = off
+    metrics_addr: str = "127.0.0.1"
+    status_interval: float = 60.0  # seconds between status lines; 0 = off
 
     @classmethod
     def parsers(cls) -> dict[str, Parser]:
@@ -70,6 +73,24 @@ def _parse_list(name: str, value: Any) -> list[str]:
     raise ConfigError(f"{name}: expected a comma-separated list of module names, got {value!r}")
 
 
+def _parse_port(name: str, value: Any) -> int | None:
+    if value is None or str(value).strip().lower() in ("none", "off"):
+        return None
+    return parse_int(name, value, low=1, high=65535)
+
+
+def _parse_addr(name: str, value: Any) -> str:
+    text = _parse_optional_str(name, value)
+    if not text or len(text) > 255 or any(c.isspace() for c in text):
+        raise ConfigError(f"{name}: expected an address to bind (e.g. 127.0.0.1), "
+                          f"got {value!r}")
+    return text
+
+
+def _parse_interval(name: str, value: Any) -> float:
+    return parse_number(name, value, low=0.0, high=float("1e9"), low_inclusive=True)
+
+
 FT_PARSERS: dict[str, Parser] = {
     **agent_config.BASE_PARSERS,
     "state_path": _parse_optional_str,
@@ -79,6 +100,9 @@ FT_PARSERS: dict[str, Parser] = {
     "checkpoint_iteration_file": _parse_optional_str,
     "warm_restart": _parse_bool,
     "preload": _parse_list,
+    "metrics_port": _parse_port,
+    "metrics_addr": _parse_addr,
+    "status_interval": _parse_interval,
 }
 assert set(FT_PARSERS) == {f.name for f in dataclasses.fields(FaultToleranceConfig)} - {
     "configured"}
