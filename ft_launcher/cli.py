@@ -121,8 +121,9 @@ FT_OPTIONS = [
     ("--ft-state-path", "state_path",
      "Learned timeouts file, reusable by later jobs [RUN_DIR/ft_state.json]."),
     ("--ft-simulated-fault", "simulated_fault",
-     "Inject a fault: TYPE[:key=value,...], TYPE rank_killed|rank_hung|random|rank_exit, "
-     "keys base_delay, rand_delay, rank, cycles (N, A-B, all), seed, code."),
+     "Inject a fault: TYPE[:key=value,...], TYPE rank_killed|rank_hung|random|rank_exit|"
+     "rank_slow, keys base_delay, rand_delay, rank, cycles (N, A-B, all), seed, code "
+     "(rank_exit), factor and duration (rank_slow: 1/factor speed for duration s)."),
     ("--ft-skip-bad-iterations", "skip_bad_iterations",
      "On a validation failure that reproduces on other hardware, restart and skip it."),
     ("--ft-max-no-progress-cycles", "max_no_progress_cycles",
@@ -131,6 +132,16 @@ FT_OPTIONS = [
      "File holding the last checkpointed iteration (written by the training)."),
     ("--ft-warm-restart", "warm_restart", "Keep standby workers with imports done."),
     ("--ft-preload", "preload", "Modules standby workers import [torch]."),
+    ("--ft-straggler-threshold", "straggler_threshold",
+     "A rank whose median section time is this many times the other ranks' is a "
+     "straggler (> 1) [1.3]."),
+    ("--ft-straggler-window", "straggler_window",
+     "Steps behind each median; nothing is decided on fewer [20]."),
+    ("--ft-straggler-section", "straggler_section",
+     "Section timed for stragglers: around compute, outside collectives [compute]."),
+    ("--ft-straggler-action", "straggler_action",
+     "On a straggler: report (events only), restart the group, or exclude (stop; requeue "
+     "without its host) [report]."),
     ("--ft-metrics-port", "metrics_port",
      "Serve Prometheus metrics (ft_* names) on this port (pip install "
      "'ft-launcher[metrics]') [off]."),

@@ -45,6 +45,12 @@ class FaultToleranceConfig(agent_config.FaultToleranceConfig):
     checkpoint_iteration_file: str | None = None
     warm_restart: bool = False
     preload: list[str] = field(default_factory=lambda: ["torch"])
+    # Stragglers (ft_launcher/straggler.py): score = a rank's median time in this section
+    # over the other ranks' medians, each over the last `window` steps.
+    straggler_threshold: float = 1.3
+    straggler_action: str = "report"  # report | restart | exclude
+    straggler_window: int = 20
+    straggler_section: str = "compute"
     metrics_port: int | None = None  # Prometheus metrics (ft_launcher.metrics); None = off
     metrics_addr: str = "127.0.0.1"
     status_interval: float = 60.0  # seconds between status lines; 0 = off
@@ -63,6 +69,32 @@ def _parse_optional_int(name: str, value: Any) -> int | None:
     if value is None or str(value).strip().lower() in ("none", "0"):
         return None
     return parse_int(name, value, low=1)
+
+
+STRAGGLER_ACTIONS = ("report", "restart", "exclude")
+
+
+def _parse_straggler_threshold(name: str, value: Any) -> float:
+    return parse_number(name, value, low=1.0, high=1000.0)  # > 1: 1.3 = 30 % slower
+
+
+def _parse_straggler_window(name: str, value: Any) -> int:
+    return parse_int(name, value, low=3, high=100_000)  # a median of fewer says nothing
+
+
+def _parse_straggler_action(name: str, value: Any) -> str:
+    text = str(value).strip().lower()
+    if text not in STRAGGLER_ACTIONS:
+        raise ConfigError(f"{name}: expected one of {', '.join(STRAGGLER_ACTIONS)}, "
+                          f"got {value!r}")
+    return text
+
+
+def _parse_section_name(name: str, value: Any) -> str:
+    text = _parse_optional_str(name, value)
+    if not text or not text.strip() or len(text) > 256:
+        raise ConfigError(f"{name}: expected a section name (1-256 characters), got {value!r}")
+    return text
 
 
 def _parse_list(name: str, value: Any) -> list[str]:
@@ -100,6 +132,10 @@ FT_PARSERS: dict[str, Parser] = {
     "checkpoint_iteration_file": _parse_optional_str,
     "warm_restart": _parse_bool,
     "preload": _parse_list,
+    "straggler_threshold": _parse_straggler_threshold,
+    "straggler_action": _parse_straggler_action,
+    "straggler_window": _parse_straggler_window,
+    "straggler_section": _parse_section_name,
     "metrics_port": _parse_port,
     "metrics_addr": _parse_addr,
     "status_interval": _parse_interval,
