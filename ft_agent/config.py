@@ -474,7 +474,7 @@ def read_yaml_section(path: str) -> dict[str, Any]:
     section = _find_section(doc)
     if section is None and "fault_tolerance" not in doc:
         close = difflib.get_close_matches("fault_tolerance", [str(k) for k in doc], n=1)
-        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        hint = f" (did you mean 'fault_tolerance' for '{close[0]}'?)" if close else ""
         raise ConfigError(f"{path}: no 'fault_tolerance:' section; unknown top-level key(s) "
                           f"{sorted(str(k) for k in doc)}{hint}")
     if section is None:

@@ -54,9 +54,8 @@ class HeartbeatTimeouts:
         return self.initial is not None and self.subsequent is not None
 
     def __str__(self) -> str:
-        origin = "calculated" if self.were_calculated else "configured"
         return (f"HeartbeatTimeouts(initial={_fmt(self.initial)}, "
-                f"subsequent={_fmt(self.subsequent)}, {origin})")
+                f"subsequent={_fmt(self.subsequent)}, were_calculated={self.were_calculated})")
 
 
 @dataclass

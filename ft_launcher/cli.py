@@ -160,12 +160,20 @@ ALIAS_PREFIX = "nvrx_alias__"
 NOT_APPLICABLE_PREFIX = "nvrx_na__"
 
 
+# NVRx flags whose name differs from their key.
+NVRX_EXTRA_SPELLINGS = {
+    "storage_healthcheck_path": ("--ft-storage-health-check-path",
+                                 "--ft-storage_health_check_path",
+                                 "--ft_storage_health_check_path"),
+}
+
+
 def _nvrx_spellings(key: str) -> list[str]:
     """NVRx 0.4-0.7 flag spellings of a setting: --ft-a-b, --ft-a_b, --ft_a_b,
     --ft-param-a_b (0.4), --ft-param-a-b and --ft_param_a_b."""
     dashed = key.replace("_", "-")
     names = [f"--ft-{dashed}", f"--ft-{key}", f"--ft_{key}", f"--ft-param-{key}",
-             f"--ft-param-{dashed}", f"--ft_param_{key}"]
+             f"--ft-param-{dashed}", f"--ft_param_{key}", *NVRX_EXTRA_SPELLINGS.get(key, ())]
     return list(dict.fromkeys(names))
 
 
@@ -278,10 +286,10 @@ CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 @click.option("--master-port", "--master_port", "master_port", type=int, default=None,
               help="Port for the workers' process group [a free port, new each cycle].")
 @click.option("--rdzv-backend", "--rdzv_backend", "rdzv_backend", default="static",
-              type=click.Choice(["static", "c10d"]), show_default=True,
-              help="Rendezvous for several nodes.")
+              type=click.Choice(["static", "c10d", "etcd-v2"]), show_default=True,
+              help="Rendezvous for several nodes (etcd-v2: no single point of failure).")
 @click.option("--rdzv-endpoint", "--rdzv_endpoint", "rdzv_endpoint", default="",
-              help="host:port of the c10d rendezvous.")
+              help="host:port of the c10d store, or host:port[,host:port...] of etcd.")
 @click.option("--rdzv-id", "--rdzv_id", "rdzv_id", default="none", show_default=True,
               help="Job id shared by every node; also the run id.")
 @click.option("--rdzv-conf", "--rdzv_conf", "rdzv_conf", default="",
@@ -360,7 +368,7 @@ def build_launch_config(opts: dict[str, Any]) -> LaunchConfig:
             raise ConfigError("--standalone runs one node; --nnodes must be 1")
         backend = "static"
     if backend == "static" and max_nodes > 1 and min_nodes != max_nodes:
-        raise ConfigError("--nnodes MIN:MAX needs --rdzv-backend c10d")
+        raise ConfigError("--nnodes MIN:MAX needs --rdzv-backend c10d or etcd-v2")
     if not 0 <= opts["node_rank"] < max_nodes:
         raise ConfigError(f"--node-rank {opts['node_rank']}: must be in 0..{max_nodes - 1}")
     if opts["master_port"] is not None and not 0 < opts["master_port"] < 65536:
