@@ -327,8 +327,7 @@ class Ledger:
         }
 
     def _attempt_summary(self, att: _Attempt, now: float | None) -> dict[str, Any]:
-        end = att.end if att.end is not None else (now if now is not None else att.last_ts)
-        end = max(end, att.start)
+        end = att.end if att.end is not None else max(now or att.last_ts, att.last_ts)
         order = sorted(att.cycles)
         rows = []
         for i, n in enumerate(order):
