@@ -125,7 +125,7 @@ def build_figure(events: list[dict[str, Any]], report: dict[str, Any]) -> Any:
                      row=1, col=1)
     fig.update_xaxes(title_text="seconds since the launcher started", row=1, col=1)
     goodput = ledger.get("goodput")
-    title = f"ft_launcher run {report.get('run_dir', '')}"
+    title = f"ft_launcher run {Path(str(report.get('run_dir', ''))).name}"
     if goodput is not None:
         title += f" — goodput {100 * goodput:.1f}%"
     fig.update_layout(title={"text": html.escape(title)}, height=260 + 46 * len(lanes) + 160,
