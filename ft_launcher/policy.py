@@ -29,6 +29,8 @@ import signal
 from dataclasses import dataclass, field
 from typing import Any
 
+from ft_launcher.liveness import HangVerdict
+
 EXIT_SUCCESS = 0
 EXIT_FAILURE = 1
 EXIT_RESUME_ELSEWHERE = 16
@@ -46,13 +48,25 @@ class Outcome(enum.Enum):
 
 
 @dataclass
+class WorkerExit:
+    """One worker's exit, as recorded in events.jsonl and summary.json."""
+
+    rank: int
+    local_rank: int
+    pid: int
+    exit_code: int | None  # None when a signal ended it
+    signal: str | None  # e.g. "SIGKILL"
+    warm: bool = False
+
+
+@dataclass
 class CycleResult:
     """How one cycle ended."""
 
     cycle: int
     outcome: Outcome
-    failures: list[dict[str, Any]] = field(default_factory=list)  # first failure first
-    hang: dict[str, Any] | None = None
+    failures: list[WorkerExit] = field(default_factory=list)  # first failure first
+    hang: HangVerdict | None = None
     signum: int | None = None
     control: str | None = None
     diagnoses: list[dict[str, Any]] = field(default_factory=list)
@@ -103,6 +117,8 @@ class Decision:
     counted: bool = True  # counts against --max-restarts
     rotate: bool = False
     exclude_device: int | None = None
+    # The checkpoint progress seen this cycle: (iteration, cycles without progress).
+    progress: tuple[int, int] | None = None
 
 
 def stop(code: int, reason: str, requeue: bool, exclude: list[str] | None = None) -> Decision:
@@ -177,26 +193,38 @@ def _device_number(device: Any) -> int | None:
         return None
 
 
-def _no_progress(result: CycleResult, state: JobState) -> Decision | None:
+def _progress(result: CycleResult, state: JobState) -> tuple[int, int] | None:
+    """(iteration, cycles without progress) after this cycle; None when not tracked."""
     if state.max_no_progress_cycles is None or result.progress_iteration is None:
         return None
-    if state.last_iteration is not None and result.progress_iteration <= state.last_iteration:
-        state.cycles_without_progress += 1
-    else:
-        state.cycles_without_progress = 0
-    state.last_iteration = result.progress_iteration
-    if state.cycles_without_progress >= state.max_no_progress_cycles:
+    stalled = state.last_iteration is not None and \
+        result.progress_iteration <= state.last_iteration
+    return result.progress_iteration, state.cycles_without_progress + 1 if stalled else 0
+
+
+def _no_progress(progress: tuple[int, int] | None, state: JobState) -> Decision | None:
+    if progress is None or state.max_no_progress_cycles is None:
+        return None
+    iteration, stalled_cycles = progress
+    if stalled_cycles >= state.max_no_progress_cycles:
         return stop(
             EXIT_NO_PROGRESS,
-            f"no progress past iteration {result.progress_iteration} in "
-            f"{state.cycles_without_progress} cycles",
+            f"no progress past iteration {iteration} in {stalled_cycles} cycles",
             requeue=False,
         )
     return None
 
 
 def decide(result: CycleResult, state: JobState) -> Decision:
-    """The decision for a finished cycle (see the module table)."""
+    """The decision for a finished cycle (see the module table). Reads ``state`` only;
+    ``apply`` makes the changes a decision implies."""
+    decision = _decide(result, state)
+    if result.outcome in (Outcome.FAILED, Outcome.HUNG):
+        decision.progress = _progress(result, state)
+    return decision
+
+
+def _decide(result: CycleResult, state: JobState) -> Decision:
     outcome = result.outcome
     if outcome is Outcome.SUCCEEDED:
         return stop(EXIT_SUCCESS, "all workers finished with 0", requeue=False)
@@ -213,17 +241,18 @@ def decide(result: CycleResult, state: JobState) -> Decision:
         return Decision(restart=True, reason="other nodes re-joined the rendezvous",
                         counted=False)
 
-    stuck = _no_progress(result, state)
+    stuck = _no_progress(_progress(result, state), state)
     if stuck is not None:
         return stuck
     if outcome is Outcome.HUNG:
-        hang = result.hang or {}
+        hang = result.hang
         return _restart_or_exhausted(
-            state, f"rank {hang.get('rank')} hung ({hang.get('timeout_kind')} timeout)"
+            state, f"rank {hang.rank if hang else None} hung "
+            f"({hang.timeout_kind if hang else 'unknown'} timeout)"
         )
     # A rank that announced its exit 16/17 in a diagnosis but died otherwise (an abort on
     # the way out) is judged by what it announced.
-    codes = [f.get("exit_code") for f in result.failures] + [
+    codes = [f.exit_code for f in result.failures] + [
         d.get("exit_code") for d in result.diagnoses
         if d.get("exit_code") in (EXIT_RESUME_ELSEWHERE, EXIT_FAILED_VALIDATION)]
     if EXIT_RESUME_ELSEWHERE in codes:
@@ -242,14 +271,18 @@ def decide(result: CycleResult, state: JobState) -> Decision:
         )
     if EXIT_FAILED_VALIDATION in codes:
         return _decide_17(result, state)
-    first = result.failures[0] if result.failures else {}
-    how = (f"exit code {first.get('exit_code')}" if first.get("exit_code") is not None
-           else f"signal {first.get('signal')}")
-    return _restart_or_exhausted(state, f"rank {first.get('rank')} failed ({how})")
+    if not result.failures:
+        return _restart_or_exhausted(state, "a rank failed")
+    first = result.failures[0]
+    how = f"exit code {first.exit_code}" if first.exit_code is not None \
+        else f"signal {first.signal}"
+    return _restart_or_exhausted(state, f"rank {first.rank} failed ({how})")
 
 
 def apply(decision: Decision, state: JobState) -> None:
-    """Update the job state for a restart decision."""
+    """Update the job state with what a decision implies."""
+    if decision.progress is not None:
+        state.last_iteration, state.cycles_without_progress = decision.progress
     if not decision.restart:
         return
     if decision.counted:

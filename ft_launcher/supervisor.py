@@ -14,23 +14,24 @@ import secrets
 import shutil
 import signal
 import socket
-import subprocess
-import sys
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import psutil
 import zmq
 
-from ft_launcher import faults, policy
+from ft_launcher import blame, faults, policy, stacks
 from ft_launcher.config import LaunchConfig
-from ft_launcher.monitor import HangVerdict, Monitor
-from ft_launcher.policy import CycleResult, Decision, JobState, Outcome
+from ft_launcher.liveness import HangVerdict
+from ft_launcher.monitor import Monitor, RankSlot
+from ft_launcher.policy import CycleResult, Decision, JobState, Outcome, WorkerExit
 from ft_launcher.rendezvous import C10dRendezvous, RoundInfo, StaticRendezvous
 from ft_launcher.rundir import RunDir
 from ft_launcher.standby import StandbyPool
+from ft_launcher.timeouts import TimeoutBook, load_state
+from ft_launcher.worker_env import CycleEnv, visible_gpus, worker_env
 from ft_launcher.workers import Worker, WorkerGroup, WorkerSpec
 
 log = logging.getLogger("ft_launcher")
@@ -40,7 +41,9 @@ PASS_THROUGH_SIGNALS = (signal.SIGUSR1,)  # handed to the workers, the job goes 
 TERMINATING_SIGNAL_NAMES = {signal.Signals(s).name for s in FORWARDED_SIGNALS}
 SIGNAL_SETTLE_S = 0.2
 MESSAGE_BATCH_S = 0.05
-STACK_WAIT_S = 1.5
+# A flood of messages is read in bounded batches; verdicts wait for the queue to empty, but
+# never longer than this (a flood cannot postpone a real hang for ever).
+MAX_JUDGE_DELAY_S = 2.0
 
 
 class _Interrupted(Exception):
@@ -69,12 +72,12 @@ class Supervisor:
         self.cfg = cfg
         self.host = socket.gethostname()
         self.rundir = RunDir(cfg.run_dir, cfg.log_dir)
-        self.token = secrets.token_hex(16)
         self.cycle = 0
         self.group: WorkerGroup | None = None
         self.faults_seen: list[dict[str, Any]] = []
         self.diagnoses: list[dict[str, Any]] = []
         self.worker_exits: list[dict[str, Any]] = []
+        self.slots: dict[int, RankSlot] = {}
         self.fault_plan = faults.parse_fault(cfg.ft.simulated_fault) if cfg.ft.simulated_fault \
             else None
         if self.fault_plan is not None:
@@ -96,12 +99,12 @@ class Supervisor:
         self.rdzv = self._make_rendezvous()
         state_path = Path(cfg.ft.state_path) if cfg.ft.state_path else \
             self.rundir.path / "ft_state.json"
+        self.socket_path = self._socket_path()
         self.monitor = Monitor(
-            endpoint=f"ipc://{self._socket_path()}",
-            token=self.token,
-            cfg=cfg.ft,
+            endpoint=f"ipc://{self.socket_path}",
+            book=TimeoutBook(cfg.ft, load_state(state_path)),
             state_path=state_path,
-            events=lambda name, **f: self.event(name, **f),
+            events=self.event,
         )
         # Warm restart (--ft-warm-restart): standby interpreters; inert when off.
         self.standbys = StandbyPool(cfg, self.rundir.logs / "standby", self.event)
@@ -110,22 +113,24 @@ class Supervisor:
 
     def _socket_path(self) -> Path:
         path = self.rundir.private / "monitor.sock"
-        if len(str(path)) > 100:  # AF_UNIX paths are limited to about 107 bytes
+        if len(os.fsencode(path)) > 100:  # AF_UNIX paths are limited to 107 bytes
             path = Path(tempfile.mkdtemp(prefix="ft_")) / "monitor.sock"  # private (0700)
         path.unlink(missing_ok=True)
         return path
 
     def _remove_socket(self) -> None:
-        path = Path(self.monitor.endpoint[len("ipc://"):])
+        path = self.socket_path
         path.unlink(missing_ok=True)
         if path.parent != self.rundir.private:
             shutil.rmtree(path.parent, ignore_errors=True)
 
     def _make_rendezvous(self) -> StaticRendezvous | C10dRendezvous:
         cfg = self.cfg
-        if cfg.rdzv_backend == "c10d":
+        if cfg.rdzv_backend in ("c10d", "etcd-v2"):
+            # events: spare_waiting / spare_admitted, emitted while next_round() waits.
             return C10dRendezvous(cfg.rdzv_endpoint, cfg.rdzv_id, cfg.min_nodes, cfg.max_nodes,
-                                  cfg.rdzv_conf, cfg.master_port)
+                                  cfg.rdzv_conf, cfg.master_port, backend=cfg.rdzv_backend,
+                                  events=self.event)
         return StaticRendezvous(cfg.node_rank, cfg.max_nodes, cfg.master_addr, cfg.master_port)
 
     def event(self, name: str, **fields: Any) -> dict[str, Any]:
@@ -161,7 +166,8 @@ class Supervisor:
         self.event("launcher_started", host=self.host, pid=os.getpid(),
                    nproc_per_node=self.cfg.nproc_per_node, max_restarts=self.cfg.max_restarts,
                    entrypoint=self.cfg.entrypoint + self.cfg.script_args,
-                   timeouts=self.monitor.timeouts_in_force())
+                   timeouts=self.monitor.book.in_force())
+        log.info("timeouts in force: %s", self.monitor.book.describe())
         decision: Decision | None = None
         result: CycleResult | None = None
         try:
@@ -170,11 +176,11 @@ class Supervisor:
                 decision = policy.decide(result, self.job)
                 self.event("decision", outcome=result.outcome.value, restart=decision.restart,
                            exit_code=decision.exit_code, reason=decision.reason)
+                policy.apply(decision, self.job)
                 if not decision.restart:
                     if result.outcome is not Outcome.SIGNALED:
                         self.rdzv.exit_barrier(wait=result.outcome is Outcome.SUCCEEDED)
                     break
-                policy.apply(decision, self.job)
                 self.cycle += 1
                 self.event("restart", restarts=self.job.restarts, reason=decision.reason,
                            device_map=self.job.device_map())
@@ -216,7 +222,11 @@ class Supervisor:
         group = self.group = WorkerGroup()
         group.start(self._worker_specs(rnd, armed), warm=self.standbys.take)
         self.standbys.cycle_started()
-        self.monitor.start_cycle(self.cycle, group.workers, self.rundir.private)
+        for w in group.workers:
+            self.slots[w.rank].pid = w.pid
+        spawned = {w.rank: _monotonic_of(w.started_at) for w in group.workers}
+        self.monitor.start_cycle(self.cycle, [self.slots[w.rank] for w in group.workers],
+                                 spawned, self.rundir.private)
         self.event("workers_started", ranks=[w.rank for w in group.workers],
                    pids=[w.pid for w in group.workers], device_map=self.job.device_map(),
                    warm=[w.warm for w in group.workers])
@@ -228,62 +238,53 @@ class Supervisor:
                 else self.cfg.workers_stop_timeout
             signum = result.signum if result.outcome is Outcome.SIGNALED else signal.SIGTERM
             group.stop(grace, signum)  # ends with kill_all
-        self.monitor.handle_messages()  # reports sent while the group was being stopped
+        self.monitor.drain(time.monotonic())  # reports sent while the group was stopping
         for w in group.workers:
             if w.exit_code is not None and not w.reported:
                 self._report_exit(w, stopped=True)
+        self._record_progress()
         for rank, per_kind in self.monitor.end_cycle().items():
             for kind, stats in per_kind.items():
                 self.event("interval_stats", rank=rank, kind=kind, **stats)
         result.diagnoses = list(self.monitor.diagnoses)
         self.diagnoses.extend(result.diagnoses)
-        result.progress_iteration = self._read_progress()
+        result.progress_iteration = self._progress_iteration()
         self.group = None
         return result
 
     def _worker_specs(self, rnd: RoundInfo, armed: faults.ArmedFault | None) -> list[WorkerSpec]:
         cfg = self.cfg
-        world = rnd.group_world_size * cfg.nproc_per_node
-        device_map = self.job.device_map()
-        gpus = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
-                if d.strip()] or [str(i) for i in range(self.gpus)]
-        specs = []
+        cycle = CycleEnv(
+            world_size=rnd.group_world_size * cfg.nproc_per_node,
+            nproc_per_node=cfg.nproc_per_node,
+            group_rank=rnd.group_rank,
+            group_world_size=rnd.group_world_size,
+            role=cfg.role,
+            master_addr=rnd.master_addr,
+            master_port=rnd.master_port,
+            restarts=self.job.restarts,
+            max_restarts=cfg.max_restarts,
+            run_id=cfg.run_id,
+            endpoint=self.monitor.endpoint,
+            run_dir=str(self.rundir.path),
+            cycle=self.cycle,
+            device_map=self.job.device_map(),
+            gpus=visible_gpus(os.environ, self.gpus) if self.gpus else (),
+        )
+        specs, self.slots = [], {}
         for local_rank in range(cfg.nproc_per_node):
             rank = rnd.group_rank * cfg.nproc_per_node + local_rank
-            env = dict(os.environ)
-            env.update({
-                "RANK": str(rank),
-                "LOCAL_RANK": str(local_rank),
-                "WORLD_SIZE": str(world),
-                "LOCAL_WORLD_SIZE": str(cfg.nproc_per_node),
-                "GROUP_RANK": str(rnd.group_rank),
-                "GROUP_WORLD_SIZE": str(rnd.group_world_size),
-                "ROLE_RANK": str(rank),
-                "ROLE_WORLD_SIZE": str(world),
-                "ROLE_NAME": cfg.role,
-                "MASTER_ADDR": rnd.master_addr,
-                "MASTER_PORT": str(rnd.master_port),
-                "TORCHELASTIC_RESTART_COUNT": str(self.job.restarts),
-                "TORCHELASTIC_MAX_RESTARTS": str(cfg.max_restarts),
-                "TORCHELASTIC_RUN_ID": cfg.run_id,
-                "TORCHELASTIC_USE_AGENT_STORE": "False",
-                "TORCHELASTIC_ERROR_FILE": str(
-                    self.rundir.cycle_log_dir(self.cycle) / f"rank_{rank}_error.json"),
-                "FT_ENDPOINT": self.monitor.endpoint,
-                "FT_TOKEN": self.token,
-                "FT_RUN_DIR": str(self.rundir.path),
-                "FT_CYCLE": str(self.cycle),
-                "FT_DEVICE_ID": str(device_map[local_rank]),
-            })
-            env.pop("FT_SIMULATED_FAULT", None)
-            if cfg.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
-                env["OMP_NUM_THREADS"] = "1"
-            env.setdefault("PYTHONUNBUFFERED", "1")  # output reaches the log as it happens
-            if gpus:
-                # cuda:LOCAL_RANK becomes the rotated device, with no change to the script.
-                env["CUDA_VISIBLE_DEVICES"] = self._rotated_gpus(gpus, device_map, local_rank)
-            if armed is not None and armed.rank == rank and armed.fault_type == "rank_exit":
-                env["FT_SIMULATED_FAULT"] = armed.env_value()
+            # A token per rank and cycle: a hello can only claim the rank it was given to.
+            token = secrets.token_hex(16)
+            stack_file = self.rundir.private / f"stack_c{self.cycle}_r{rank}.raw"
+            self.slots[rank] = RankSlot(rank, local_rank, pid=0, token=token,
+                                        stack_file=stack_file)
+            fault = armed.env_value() if armed is not None and armed.rank == rank \
+                and armed.fault_type == "rank_exit" else None
+            env = worker_env(
+                os.environ, cycle, local_rank, token=token, stack_file=str(stack_file),
+                error_file=str(self.rundir.cycle_log_dir(self.cycle) / f"rank_{rank}_error.json"),
+                simulated_fault=fault)
             echo = cfg.redirects.get(local_rank, 0) == 0 or cfg.tee.get(local_rank, 0) != 0
             if cfg.local_ranks_filter is not None and local_rank not in cfg.local_ranks_filter:
                 echo = False
@@ -291,24 +292,17 @@ class Supervisor:
                                     self.rundir.rank_log(self.cycle, rank), echo))
         return specs
 
-    @staticmethod
-    def _rotated_gpus(gpus: list[str], device_map: list[int], local_rank: int) -> str:
-        """CUDA_VISIBLE_DEVICES for a rank: its index LOCAL_RANK names device_map's device."""
-        order = list(gpus)
-        target = gpus[device_map[local_rank] % len(gpus)]
-        order.remove(target)
-        order.insert(min(local_rank, len(order)), target)
-        return ",".join(order)
-
     def _watch(self, group: WorkerGroup, armed: faults.ArmedFault | None) -> CycleResult:
         """Sleep until something happens, then check in a fixed order what ended the cycle."""
         everything, signals_only = zmq.Poller(), zmq.Poller()
-        everything.register(self.monitor.sock, zmq.POLLIN)
+        everything.register(self.monitor.socket, zmq.POLLIN)
         for poller in (everything, signals_only):
             poller.register(self._wake_r.fileno(), zmq.POLLIN)
         interval = self.cfg.monitor_interval
         next_peer_check = time.monotonic() + interval
         batch_until = 0.0
+        queued_since: float | None = None  # when the socket last had more than one batch
+        training = False
         while True:
             timeout = interval
             deadline = self.monitor.next_deadline()
@@ -322,20 +316,32 @@ class Supervisor:
             poller = everything
             if time.monotonic() < batch_until:
                 poller, timeout = signals_only, min(timeout, batch_until - time.monotonic())
-            poller.poll(max(0.0, timeout) * 1000)
+            timeout = max(0.0, timeout)
+            planned = time.monotonic() + timeout
+            poller.poll(timeout * 1000)
+            now = time.monotonic()
+            if self.monitor.woke(planned, now):
+                self.event("launcher_stalled", late_s=round(now - planned, 3))
             self._drain_wakeups()
-            if self.monitor.handle_messages() and self.monitor.all_connected():
-                batch_until = time.monotonic() + MESSAGE_BATCH_S
+            # Read what is queued before judging anyone: a rank's own heartbeats may wait
+            # behind a burst, or behind the launcher's stall.
+            read, empty = self.monitor.drain(now)
+            if read and self.monitor.all_connected():
+                batch_until = now + MESSAGE_BATCH_S
+            queued_since = None if empty else (queued_since or now)
+            may_judge = queued_since is None or now - queued_since > MAX_JUDGE_DELAY_S
             # Before exits: a rank_exit fault and the rank's own exit happen at the same time.
             if armed is not None and not armed.fired and time.time() >= armed.at:
                 self._inject(group, armed)
             result = (self._check_signals(group) or self._check_exits(group)
-                      or self._check_controls() or self._check_hang(group))
-            if result is not None:
+                      or self._check_controls() or (may_judge and self._check_hang(group)))
+            if result:
                 return result
+            if not training and self.monitor.all_training():
+                training = True
+                self.event("training_started")
             # Standbys are spawned once every rank is training (first heartbeat or section).
-            self.standbys.tick(all(r.first_activity is not None
-                                   for r in self.monitor.ranks.values()))
+            self.standbys.tick(training)
             if time.monotonic() >= next_peer_check:
                 next_peer_check = time.monotonic() + interval
                 if self.rdzv.num_nodes_waiting() > 0:
@@ -346,7 +352,7 @@ class Supervisor:
         for signum in self._take_signals():
             if signum in PASS_THROUGH_SIGNALS:
                 for w in group.alive():
-                    os.kill(w.pid, signum)
+                    group.signal_process(w, w.pid, signum)
                 self.event("signal_forwarded", signal=signal.Signals(signum).name)
             else:
                 self.event("signal_received", signal=signal.Signals(signum).name)
@@ -358,7 +364,7 @@ class Supervisor:
         failures = [info for w, info in exits if w.exit_code != 0]
         if not failures:
             return None if group.alive() else CycleResult(self.cycle, Outcome.SUCCEEDED)
-        if any(f["signal"] in TERMINATING_SIGNAL_NAMES for f in failures):
+        if any(f.signal in TERMINATING_SIGNAL_NAMES for f in failures):
             # A scheduler (scancel, time limit) signals every process of the job at once:
             # the workers' deaths may be seen before the launcher's own signal arrives.
             time.sleep(SIGNAL_SETTLE_S)
@@ -369,35 +375,35 @@ class Supervisor:
         failures += [self._report_exit(w) for w in group.workers
                      if w.exit_code not in (None, 0) and not w.reported]
         for f in failures:
-            self.faults_seen.append({"cycle": self.cycle, "kind": "worker_failed", **f})
+            self.faults_seen.append({"cycle": self.cycle, "kind": "worker_failed", **asdict(f)})
         return CycleResult(self.cycle, Outcome.FAILED, failures=failures)
 
     def _check_controls(self) -> CycleResult | None:
-        for _rank, action in self.monitor.controls:
+        for _rank, action in self.monitor.take_controls():
             if action != "continue":
                 return CycleResult(self.cycle, Outcome.CONTROL, control=action)
-        self.monitor.controls.clear()
         return None
 
     def _check_hang(self, group: WorkerGroup) -> CycleResult | None:
-        verdict = self.monitor.check_deadlines()
+        verdict = self.monitor.check(time.monotonic())
         if verdict is None:
             return None
-        self._handle_hang(group, verdict)
-        return CycleResult(self.cycle, Outcome.HUNG, hang=vars(verdict))
+        verdict = self._handle_hang(group, verdict)
+        return CycleResult(self.cycle, Outcome.HUNG, hang=verdict)
 
     def _take_signals(self) -> list[int]:
         taken = [s for s in self._pending if s != signal.SIGCHLD]
         self._pending.clear()
         return taken
 
-    def _report_exit(self, w: Worker, stopped: bool = False) -> dict[str, Any]:
+    def _report_exit(self, w: Worker, stopped: bool = False) -> WorkerExit:
         w.reported = True
         self.monitor.rank_exited(w.rank)
-        info = {"rank": w.rank, "local_rank": w.local_rank, "pid": w.pid, "warm": w.warm,
-                **w.describe_exit()}
-        self.event("worker_exited", stopped_by_launcher=stopped, **info)
-        self.worker_exits.append({"cycle": self.cycle, "stopped_by_launcher": stopped, **info})
+        how = w.describe_exit()
+        info = WorkerExit(w.rank, w.local_rank, w.pid, how["exit_code"], how["signal"], w.warm)
+        self.event("worker_exited", stopped_by_launcher=stopped, **asdict(info))
+        self.worker_exits.append({"cycle": self.cycle, "stopped_by_launcher": stopped,
+                                  **asdict(info)})
         return info
 
     # -- faults and hangs --------------------------------------------------------------
@@ -408,72 +414,85 @@ class Supervisor:
         if victim is None or not victim.alive:
             return
         if armed.fault_type != "rank_exit":
-            os.kill(victim.pid, armed.signum)
+            group.signal_process(victim, victim.pid, armed.signum)
         self.faults_seen.append({"cycle": self.cycle, "kind": "injected",
                                  "fault_type": armed.fault_type, "rank": armed.rank})
         self.event("fault_injected", rank=armed.rank, fault_type=armed.fault_type,
                    pid=victim.pid, at=round(armed.at, 6),
                    **({"code": armed.code} if armed.fault_type == "rank_exit" else {}))
 
-    def _handle_hang(self, group: WorkerGroup, verdict: HangVerdict) -> None:
-        self.event("hang_detected", rank=verdict.rank, timeout_kind=verdict.timeout_kind,
-                   timeout_s=verdict.timeout_s, silence_s=verdict.silence_s)
-        self.faults_seen.append({"cycle": self.cycle, "kind": "hang", **vars(verdict)})
-        self._dump_stacks(group)
-        victim = next(w for w in group.workers if w.rank == verdict.rank)
-        signum = self.cfg.ft.rank_termination_signal
-        group.send_signal(victim, signal.SIGCONT)
-        group.send_signal(victim, signum)
-        self.event("rank_killed", rank=victim.rank, pid=victim.pid,
-                   signal=signal.Signals(signum).name, reason="hang")
+    def _handle_hang(self, group: WorkerGroup, verdict: HangVerdict) -> HangVerdict:
+        """Capture every rank's stacks, choose the culprit among the silent ranks, kill it.
 
-    def _dump_stacks(self, group: WorkerGroup) -> None:
-        """Stacks of every local rank: in a collective all go silent, and the culprit is
-        the one whose stack is elsewhere. faulthandler where the agent armed it, py-spy for
-        the others (a stopped process, or one that never connected)."""
-        pyspy_procs = {}
-        py_spy = shutil.which("py-spy") or shutil.which(
-            "py-spy", path=os.path.dirname(sys.executable))
-        # A stopped process cannot run its faulthandler; py-spy reads its memory instead.
-        stopped = {w.rank for w in group.alive() if _is_stopped(w.pid)}
-        offsets = self.monitor.request_stacks(skip=stopped)
-        for w in group.alive():
-            if w.rank not in offsets and py_spy:
-                pyspy_procs[w.rank] = subprocess.Popen(
-                    [py_spy, "dump", "--nonblocking", "--pid", str(w.pid)],
-                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        texts: dict[int, str] = {}
-        deadline = time.monotonic() + STACK_WAIT_S
-        for rank, offset in offsets.items():
-            texts[rank] = _wait_for_text(lambda r=rank, o=offset: self.monitor.read_stacks(r, o),
-                                         deadline)
-        for rank, proc in pyspy_procs.items():
-            try:
-                out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic() + 5))
-                texts[rank] = texts.get(rank) or "py-spy dump:\n" + out.decode(errors="replace")
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.communicate()
-        dumped = []
-        for rank, text in sorted(texts.items()):
-            if text.strip():
-                path = self.rundir.stack_file(self.cycle, rank)
-                path.write_text(f"# rank {rank}, cycle {self.cycle}, "
-                                f"{time.strftime('%Y-%m-%dT%H:%M:%S')}\n{text}")
-                dumped.append(rank)
+        Returns the verdict about the culprit (it may differ from the rank whose deadline
+        expired first: in a collective, every rank goes silent with the one that stopped).
+        """
+        detected_at = time.time()
+        texts = self._dump_stacks(group)
+        silent = self.monitor.liveness.silent_ranks(verdict, time.monotonic())
+        alive = {w.rank: w for w in group.alive()}
+        suspects = [blame.Suspect(rank, age, stacks.is_stopped(alive[rank].pid),
+                                  blame.in_collective(texts.get(rank)))
+                    for rank, age in silent.items() if rank in alive]
+        culprit = blame.choose(suspects) if suspects else None
+        if culprit is not None and culprit.rank != verdict.rank:
+            r = self.monitor.liveness.ranks[culprit.rank]
+            verdict = HangVerdict(culprit.rank, r.local_rank, verdict.timeout_kind,
+                                  verdict.timeout_s, silent[culprit.rank])
+        self.event("hang_detected", rank=verdict.rank, timeout_kind=verdict.timeout_kind,
+                   timeout_s=verdict.timeout_s, silence_s=verdict.silence_s,
+                   detected_at=round(detected_at, 6),
+                   blame=culprit.why if culprit else "expired_first",
+                   suspects=culprit.suspects if culprit else [])
+        self.faults_seen.append({"cycle": self.cycle, "kind": "hang", **asdict(verdict)})
+        victim = alive.get(verdict.rank)
+        if victim is not None:
+            signum = self.cfg.ft.rank_termination_signal
+            group.send_signal(victim, signal.SIGCONT)
+            group.send_signal(victim, signum)
+            self.event("rank_killed", rank=victim.rank, pid=victim.pid,
+                       signal=signal.Signals(signum).name, reason="hang")
+        return verdict
+
+    def _dump_stacks(self, group: WorkerGroup) -> dict[int, str]:
+        """Stacks of every live local rank, written to stacks/; returns them by rank."""
+        alive = group.alive()
+        targets = [stacks.StackTarget(w.rank, w.pid, self.monitor.agent_pid(w.rank),
+                                      self.monitor.stack_file(w.rank)) for w in alive]
+        by_rank = {w.rank: w for w in alive}
+
+        def signal_agent(t: stacks.StackTarget) -> bool:
+            return t.agent_pid is not None and group.signal_process(
+                by_rank[t.rank], t.agent_pid, stacks.STACK_SIGNAL)
+
+        texts = stacks.capture(targets, signal_agent, stacks.find_py_spy())
+        dumped = stacks.write(self.rundir.stacks, self.cycle, texts)
         self.event("stacks_dumped", ranks=dumped,
-                   missing=[w.rank for w in group.alive() if w.rank not in dumped])
+                   missing=[w.rank for w in alive if w.rank not in dumped])
+        return texts
 
     # -- end of job --------------------------------------------------------------------
 
-    def _read_progress(self) -> int | None:
+    def _record_progress(self) -> None:
+        """Each rank's last reported step, on record for the goodput ledger."""
+        wall = time.time() - time.monotonic()
+        for r in self.monitor.liveness.ranks.values():
+            if r.iteration is not None:
+                self.event("last_progress", rank=r.rank, iteration=r.iteration,
+                           at=round(wall + (r.progress_at or 0.0), 6))
+
+    def _progress_iteration(self) -> int | None:
+        """The checkpoint progress of this cycle, for --ft-max-no-progress-cycles: the
+        checkpoint-iteration file when given, else the checkpoints the ranks reported."""
         path = self.cfg.ft.checkpoint_iteration_file
-        if not path:
-            return None
-        try:
-            return int(Path(path).read_text().strip())
-        except (OSError, ValueError):
-            return None
+        if path:
+            try:
+                return int(Path(path).read_text().strip())
+            except (OSError, ValueError):
+                return None
+        saved = [r.checkpoint for r in self.monitor.liveness.ranks.values()
+                 if r.checkpoint is not None]
+        return max(saved) if saved else self.job.last_iteration
 
     def _write_summary(self, decision: Decision, result: CycleResult | None) -> None:
         assert decision.next_action is not None
@@ -489,7 +508,7 @@ class Supervisor:
             "workers": self.worker_exits,
             "diagnoses": self.diagnoses,
             "device_map": self.job.device_map(),
-            "protocol_errors": dict(self.monitor.counters),
+            "protocol_errors": self.monitor.protocol_errors(),
             "next_action": vars(decision.next_action),
         }
         try:
@@ -498,23 +517,6 @@ class Supervisor:
             log.error("cannot write summary.json: %s", exc)
 
 
-def _is_stopped(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_STOPPED
-    except psutil.Error:
-        return False
-
-
-def _wait_for_text(read: Any, deadline: float) -> str:
-    """Poll a growing file until its content stops growing or the deadline passes."""
-    text, stable_since = "", None
-    while time.monotonic() < deadline:
-        new = read()
-        if new and new == text:
-            if stable_since and time.monotonic() - stable_since > 0.05:
-                return text
-            stable_since = stable_since or time.monotonic()
-        else:
-            text, stable_since = new, None
-        time.sleep(0.01)
-    return read() or text
+def _monotonic_of(wall: float) -> float:
+    """A wall-clock time on the monotonic clock (workers record their spawn on the wall)."""
+    return time.monotonic() - (time.time() - wall)

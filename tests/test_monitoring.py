@@ -51,13 +51,15 @@ def test_sigstopped_rank_is_detected_dumped_killed_and_job_finishes(run_dir):
     # Deadline-driven: the verdict lands right after the timeout, not at a poll tick
     # (scripts/bench measures how soon; the bound here only allows for a loaded machine).
     assert 1.5 <= hang["silence_s"] < 1.8
-    assert hang["ts"] - t_stop < 1.5 + 1.0
+    assert hang["detected_at"] - t_stop < 1.5 + 1.0
+    # Both ranks go silent (rank 0 waits in the collective); the stopped one is blamed.
+    assert hang["rank"] == 1 and hang["blame"] == "stopped"
     killed = named(evs, "rank_killed")[0]
     assert killed["pid"] == pid and killed["signal"] == "SIGKILL"
     dumped = named(evs, "stacks_dumped")[0]["ranks"]
-    assert 0 in dumped
-    if 1 in dumped:  # py-spy (a test extra) reads a stopped process's stack
-        assert "train_ddp.py" in _stack(run_dir, 1)
+    # py-spy (a test extra) reads the stopped process's stack; rank 0 answers by itself.
+    assert set(dumped) == {0, 1}, "py-spy missing? it is in the test extra"
+    assert "train_ddp.py" in _stack(run_dir, 1)
     assert summary(run_dir)["restarts"] == 1
 
 
@@ -100,26 +102,30 @@ def test_section_overrun_is_caught_while_other_sections_are_fine(run_dir):
 def test_calculated_timeouts_survive_a_restart_and_a_new_job(tmp_path, run_dir):
     state = tmp_path / "shared_state.json"
     res = run_launcher(run_dir, "--nproc-per-node", "2", "--max-restarts", "1",
-                       "--ft-state-path", str(state), "--ft-safety-factor", "4", CASES, "calc")
+                       "--ft-state-path", str(state), "--ft-safety-factor", "4",
+                       "--ft-min-learned-timeout", "1", CASES, "calc")
     assert res.returncode == 0, res.stdout
     saved = json.loads(state.read_text())["calculated"]
     hb = saved["rank_heartbeat_timeout"]
     assert 4 * 0.03 <= hb < 4 * 1.0
-    # Sections and out-of-section gaps last milliseconds: the 1 s floor applies.
-    assert saved["rank_section_timeouts"]["step"] == 1.0
-    assert saved["rank_out_of_section_timeout"] == 1.0
+    # Sections and out-of-section gaps last milliseconds: saved as calculated, and the
+    # floor (--ft-min-learned-timeout) applies to what is in force.
+    assert saved["rank_section_timeouts"]["step"] < 1.0
+    assert saved["rank_out_of_section_timeout"] < 1.0
     assert saved["initial_rank_heartbeat_timeout"] > 0
     # Cycle 1 starts with what cycle 0 calculated.
     at_hello = json.loads((run_dir / "hello_timeouts_cycle_1_rank_0.json").read_text())
-    assert at_hello["rank_heartbeat_timeout"] >= hb * 0.999
+    assert at_hello["rank_heartbeat_timeout"] >= max(hb, 1.0) * 0.999
+    assert at_hello["rank_section_timeouts"]["step"] == 1.0
     # A later job pointed at the same state file starts with them too.
     run2 = tmp_path / "run2"
     res = run_launcher(run2, "--nproc-per-node", "1", "--ft-state-path", str(state), CASES,
                        "plain")
     assert res.returncode == 0, res.stdout
     at_hello = json.loads((run2 / "hello_timeouts_cycle_0_rank_0.json").read_text())
-    assert at_hello["rank_heartbeat_timeout"] >= hb * 0.999
-    assert at_hello["rank_section_timeouts"]["step"] == saved["rank_section_timeouts"]["step"]
+    # With the default floor (60 s) a few fast steps never give a timeout that kills.
+    assert at_hello["rank_heartbeat_timeout"] == 60.0
+    assert at_hello["rank_section_timeouts"]["step"] == 60.0
 
 
 def test_malformed_and_unauthenticated_messages_change_nothing(run_dir):
@@ -130,11 +136,12 @@ def test_malformed_and_unauthenticated_messages_change_nothing(run_dir):
     errors = s["protocol_errors"]
     assert errors["malformed"] >= 2 * 7 and errors["unauthenticated"] >= 2
     assert errors["rejected_hello"] == 2 and errors["close_unopened"] == 2
-    assert errors["unknown_section:unconfigured"] == 2
+    assert errors["unknown_section"] == 2 and errors["unknown_section_names"] == ["unconfigured"]
     reply = json.loads((run_dir / "bad_hello_reply_cycle_0_rank_0.json").read_text())
-    assert reply["ok"] is False and reply["error"] == "wrong token"
+    assert reply["ok"] is False and reply["error"] == "wrong token for this rank"
     assert not named(events(run_dir), "hang_detected") and s["restarts"] == 0
-    assert res.stdout.count("monitor ignored a message") == len(errors)  # logged once each
+    counted = [k for k, v in errors.items() if isinstance(v, int)]
+    assert res.stdout.count("monitor ignored a message") == len(counted)  # logged once each
 
 
 def test_no_false_verdict_in_a_long_clean_run(run_dir):

@@ -10,10 +10,9 @@ import sys
 import pytest
 
 from ft_agent import protocol
-from ft_launcher import faults, policy
+from ft_launcher import faults
 from ft_launcher.cli import build_ft_config
 from ft_launcher.config import ConfigError, load_yaml_section, parse_section_timeouts
-from ft_launcher.policy import CycleResult, JobState, Outcome
 
 # -- protocol ------------------------------------------------------------------------------
 
@@ -97,87 +96,6 @@ def test_fault_plan_parsing_and_agreement():
             faults.parse_fault(bad)
 
 
-# -- policy ----------------------------------------------------------------------------------
-
-
-def _job(**kw) -> JobState:
-    return JobState(**{"max_restarts": 2, "num_devices": 2, "nproc": 2, "host": "n1", **kw})
-
-
-def _failed(code, diagnoses=()):
-    return CycleResult(0, Outcome.FAILED, failures=[{"rank": 0, "exit_code": code}],
-                       diagnoses=list(diagnoses))
-
-
-def test_policy_plain_failures_count_against_max_restarts():
-    job = _job(max_restarts=1)
-    d = policy.decide(_failed(3), job)
-    assert d.restart
-    policy.apply(d, job)
-    d = policy.decide(_failed(3), job)
-    assert (d.restart, d.exit_code, d.next_action.requeue) == (False, 1, True)
-
-
-def test_policy_exit_16_rotates_devices_then_asks_for_another_node():
-    job = _job()
-    d = policy.decide(_failed(16), job)
-    assert d.restart and d.rotate
-    policy.apply(d, job)
-    assert job.device_map() == [1, 0]
-    d = policy.decide(_failed(16), job)
-    assert d.exit_code == 16 and d.next_action.exclude_nodes == ["n1"]
-    one_device = _job(num_devices=1, nproc=1)
-    assert policy.decide(_failed(16), one_device).exit_code == 16
-
-
-@pytest.mark.parametrize(("diagnostic", "skip", "expected"), [
-    ("TRANSIENT_ERROR", False, ("restart", None)),
-    ("PERSISTENT_ERROR", False, ("exit", 17, True, ["n1"])),
-    ("CORRECT_RESULT", False, ("exit", 17, False, [])),
-    ("CORRECT_RESULT", True, ("restart", None)),
-    (None, False, ("exit", 17, False, [])),
-])
-def test_policy_exit_17_follows_the_diagnosis(diagnostic, skip, expected):
-    diagnoses = [{"rank": 0, "state": "X", "diagnostic": diagnostic, "iteration": 9,
-                  "suspicious_device": "0"}] if diagnostic else []
-    d = policy.decide(_failed(17, diagnoses), _job(skip_bad_iterations=skip))
-    if expected[0] == "restart":
-        assert d.restart
-    else:
-        na = d.next_action
-        assert (d.exit_code, na.requeue, na.exclude_nodes) == expected[1:]
-
-
-def test_policy_persistent_error_moves_off_the_bad_device_when_a_spare_exists():
-    job = _job(num_devices=3, nproc=2)
-    diag = [{"diagnostic": "PERSISTENT_ERROR", "iteration": 4, "suspicious_device": "1"}]
-    d = policy.decide(_failed(17, diag), job)
-    assert d.restart and d.exclude_device == 1
-    policy.apply(d, job)
-    assert 1 not in job.device_map()
-
-
-def test_policy_no_progress_stops_with_18():
-    job = _job(max_restarts=10, max_no_progress_cycles=2)
-    for expected in (True, True, False):
-        result = _failed(3)
-        result.progress_iteration = 100
-        d = policy.decide(result, job)
-        assert d.restart is expected
-        policy.apply(d, job)
-    assert d.exit_code == 18
-
-
-def test_policy_success_signal_and_control():
-    assert policy.decide(CycleResult(0, Outcome.SUCCEEDED), _job()).exit_code == 0
-    d = policy.decide(CycleResult(0, Outcome.SIGNALED, signum=signal.SIGTERM), _job())
-    assert d.exit_code == 143 and d.next_action.requeue
-    d = policy.decide(CycleResult(0, Outcome.CONTROL, control="exclude_node"), _job())
-    assert d.next_action.exclude_nodes == ["n1"]
-    d = policy.decide(CycleResult(0, Outcome.PEER_CHANGED), _job(max_restarts=0))
-    assert d.restart and not d.counted
-
-
 # -- agent -----------------------------------------------------------------------------------
 
 
@@ -202,25 +120,3 @@ def test_agent_import_is_light_and_a_no_op_without_launcher():
     assert res.returncode == 0, res.stderr
     assert "WARN ft_agent: FT_ENDPOINT is not set" in res.stdout
     assert json.loads(res.stdout.splitlines()[-1].replace("'", '"')) == {"current_timeouts": {}}
-
-
-def test_activity_time_stamps_are_clamped():
-    """A rank's own time stamp places a heartbeat exactly, but never in the future (which
-    would postpone its deadline) nor before its previous activity."""
-    from ft_launcher.monitor import Monitor, RankState
-
-    r = RankState(rank=0, local_rank=0, pid=1, spawned_at=100.0, last_hb=105.0)
-    assert Monitor._sent_at(r, {"t": 106.5}, received=107.0) == 106.5
-    assert Monitor._sent_at(r, {"t": 1e9}, received=107.0) == 107.0
-    assert Monitor._sent_at(r, {"t": 50.0}, received=107.0) == 105.0
-    assert Monitor._sent_at(r, {"t": "soon"}, received=107.0) == 107.0
-    assert Monitor._sent_at(r, {}, received=107.0) == 107.0
-
-
-def test_policy_trusts_an_announced_exit_code_when_the_rank_died_otherwise():
-    diag = [{"rank": 1, "state": "X", "diagnostic": "CORRECT_RESULT", "iteration": 5,
-             "exit_code": 17}]
-    result = CycleResult(0, Outcome.FAILED, diagnoses=diag,
-                         failures=[{"rank": 1, "exit_code": None, "signal": "SIGABRT"}])
-    d = policy.decide(result, _job())
-    assert d.exit_code == 17 and d.next_action.requeue is False

@@ -1,0 +1,91 @@
+"""The environment of one worker: torchrun's variables plus ft_launcher's. Pure.
+
+``worker_env`` is a function of the launcher's own environment, the cycle and the local
+rank, so the rules (device rotation, defaults that yield to the user's settings) are unit
+tested without starting anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CycleEnv:
+    """What every local rank of one cycle shares."""
+
+    world_size: int
+    nproc_per_node: int
+    group_rank: int
+    group_world_size: int
+    role: str
+    master_addr: str
+    master_port: int
+    restarts: int
+    max_restarts: int
+    run_id: str
+    endpoint: str
+    run_dir: str
+    cycle: int
+    device_map: Sequence[int]  # device id per local rank (policy.JobState.device_map)
+    gpus: Sequence[str] = ()  # the node's visible GPUs, in CUDA_VISIBLE_DEVICES order
+
+
+def visible_gpus(env: Mapping[str, str], count: int) -> list[str]:
+    """The GPUs this node may use: CUDA_VISIBLE_DEVICES when set, else 0..count-1."""
+    listed = [d.strip() for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return listed or [str(i) for i in range(count)]
+
+
+def rotated_gpus(gpus: Sequence[str], device_map: Sequence[int], local_rank: int) -> str:
+    """CUDA_VISIBLE_DEVICES for a rank such that index LOCAL_RANK is device_map's device.
+
+    A script that uses ``cuda:LOCAL_RANK`` then lands on the rotated device with no change.
+    """
+    order = list(gpus)
+    target = gpus[device_map[local_rank] % len(gpus)]
+    order.remove(target)
+    order.insert(min(local_rank, len(order)), target)
+    return ",".join(order)
+
+
+def worker_env(base: Mapping[str, str], cycle: CycleEnv, local_rank: int, *, token: str,
+               error_file: str, stack_file: str, simulated_fault: str | None = None
+               ) -> dict[str, str]:
+    """The full environment for one local rank (``base`` is the launcher's environment)."""
+    rank = cycle.group_rank * cycle.nproc_per_node + local_rank
+    env = dict(base)
+    env.update({
+        "RANK": str(rank),
+        "LOCAL_RANK": str(local_rank),
+        "WORLD_SIZE": str(cycle.world_size),
+        "LOCAL_WORLD_SIZE": str(cycle.nproc_per_node),
+        "GROUP_RANK": str(cycle.group_rank),
+        "GROUP_WORLD_SIZE": str(cycle.group_world_size),
+        "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(cycle.world_size),
+        "ROLE_NAME": cycle.role,
+        "MASTER_ADDR": cycle.master_addr,
+        "MASTER_PORT": str(cycle.master_port),
+        "TORCHELASTIC_RESTART_COUNT": str(cycle.restarts),
+        "TORCHELASTIC_MAX_RESTARTS": str(cycle.max_restarts),
+        "TORCHELASTIC_RUN_ID": cycle.run_id,
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "TORCHELASTIC_ERROR_FILE": error_file,
+        "FT_ENDPOINT": cycle.endpoint,
+        "FT_TOKEN": token,
+        "FT_RUN_DIR": cycle.run_dir,
+        "FT_CYCLE": str(cycle.cycle),
+        "FT_DEVICE_ID": str(cycle.device_map[local_rank]),
+        "FT_STACK_FILE": stack_file,
+    })
+    env.pop("FT_SIMULATED_FAULT", None)
+    if simulated_fault is not None:
+        env["FT_SIMULATED_FAULT"] = simulated_fault
+    if cycle.nproc_per_node > 1 and "OMP_NUM_THREADS" not in base:
+        env["OMP_NUM_THREADS"] = "1"
+    env.setdefault("PYTHONUNBUFFERED", "1")  # output reaches the log as it happens
+    if cycle.gpus:
+        env["CUDA_VISIBLE_DEVICES"] = rotated_gpus(cycle.gpus, cycle.device_map, local_rank)
+    return env

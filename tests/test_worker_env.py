@@ -1,0 +1,76 @@
+"""The worker environment as a pure function, device rotation included."""
+
+from __future__ import annotations
+
+import pytest
+
+from ft_launcher.policy import JobState
+from ft_launcher.worker_env import CycleEnv, rotated_gpus, visible_gpus, worker_env
+
+
+def _cycle(**kw) -> CycleEnv:
+    base = dict(world_size=4, nproc_per_node=2, group_rank=1, group_world_size=2, role="default",
+                master_addr="10.0.0.1", master_port=29500, restarts=3, max_restarts=5,
+                run_id="job7", endpoint="ipc:///r/ipc/monitor.sock", run_dir="/r", cycle=4,
+                device_map=(0, 1))
+    return CycleEnv(**{**base, **kw})
+
+
+def _env(base=None, cycle=None, local_rank=1, **kw):
+    return worker_env(base or {"PATH": "/bin"}, cycle or _cycle(), local_rank, token="t" * 32,
+                      error_file="/r/logs/e.json", stack_file="/r/ipc/s.raw", **kw)
+
+
+def test_torchrun_variables_and_ours():
+    env = _env()
+    assert {k: env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                                "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "MASTER_ADDR",
+                                "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
+                                "TORCHELASTIC_RUN_ID", "FT_CYCLE", "FT_DEVICE_ID")} == {
+        "RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
+        "GROUP_RANK": "1", "GROUP_WORLD_SIZE": "2", "ROLE_RANK": "3", "MASTER_ADDR": "10.0.0.1",
+        "MASTER_PORT": "29500", "TORCHELASTIC_RESTART_COUNT": "3", "TORCHELASTIC_RUN_ID": "job7",
+        "FT_CYCLE": "4", "FT_DEVICE_ID": "1"}
+    assert env["FT_TOKEN"] == "t" * 32 and env["FT_STACK_FILE"] == "/r/ipc/s.raw"
+    assert env["PATH"] == "/bin" and "CUDA_VISIBLE_DEVICES" not in env
+
+
+def test_user_settings_win_over_defaults_and_a_stale_fault_is_dropped():
+    env = _env(base={"OMP_NUM_THREADS": "8", "PYTHONUNBUFFERED": "0",
+                     "FT_SIMULATED_FAULT": "rank_exit:code=1,at=0"})
+    assert env["OMP_NUM_THREADS"] == "8" and env["PYTHONUNBUFFERED"] == "0"
+    assert "FT_SIMULATED_FAULT" not in env
+    assert _env()["OMP_NUM_THREADS"] == "1"
+    assert "OMP_NUM_THREADS" not in _env(cycle=_cycle(nproc_per_node=1), local_rank=0)
+    assert _env(simulated_fault="rank_exit:code=16,at=5.0")["FT_SIMULATED_FAULT"] == \
+        "rank_exit:code=16,at=5.0"
+
+
+@pytest.mark.parametrize("gpus", [1, 2, 4, 8])
+def test_rotation_lands_every_rank_on_the_policy_device(gpus):
+    """After each exit-16 rotation, cuda:LOCAL_RANK is the device the policy chose, every
+    rank's visible list is a permutation of the node's GPUs, and no two ranks share one."""
+    job = JobState(max_restarts=9, num_devices=gpus, nproc=gpus, host="n")
+    names = [f"GPU-{i}" for i in range(gpus)]
+    seen_maps = set()
+    for _ in range(gpus):
+        device_map = job.device_map()
+        seen_maps.add(tuple(device_map))
+        cycle = _cycle(nproc_per_node=gpus, group_rank=0, device_map=device_map, gpus=names)
+        chosen = []
+        for local_rank in range(gpus):
+            visible = _env(cycle=cycle, local_rank=local_rank)["CUDA_VISIBLE_DEVICES"].split(",")
+            assert sorted(visible) == sorted(names)
+            chosen.append(visible[local_rank])
+            assert visible[local_rank] == names[device_map[local_rank]]
+        assert len(set(chosen)) == gpus
+        job.rotation += 1
+    assert len(seen_maps) == gpus  # every rotation moved each rank to another device
+
+
+def test_rotation_keeps_the_users_gpu_names_and_uses_spare_devices():
+    names = ["3", "5", "7", "9"]
+    assert rotated_gpus(names, [2, 3], 0) == "7,3,5,9"
+    assert rotated_gpus(names, [2, 3], 1) == "3,9,5,7"
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "3, 5"}, 8) == ["3", "5"]
+    assert visible_gpus({}, 2) == ["0", "1"]
