@@ -156,6 +156,7 @@ class Ledger:
     def __init__(self) -> None:
         self.attempts: list[_Attempt] = []
         self.uses_progress = False  # the training reports its steps (first_step, ...)
+        self.sees_training = False  # ranks connect or start training: a cycle without can tell
 
     # -- input -----------------------------------------------------------------------
 
@@ -227,6 +228,7 @@ class Ledger:
         rank = _int(rec.get("rank"))
         if rank is not None:
             cyc.connected.setdefault(rank, ts)
+            self.sees_training = True
 
     def _on_first_step(self, att, cyc, rec, ts) -> None:
         rank, it = _int(rec.get("rank")), _int(rec.get("iteration"))
@@ -237,6 +239,7 @@ class Ledger:
     def _on_training_started(self, att, cyc, rec, ts) -> None:
         if cyc.training_started is None:
             cyc.training_started = ts
+            self.sees_training = True
 
     def _on_checkpoint_saved(self, att, cyc, rec, ts) -> None:
         it = _int(rec.get("iteration"))
@@ -426,7 +429,9 @@ class Ledger:
         resumed = min((it for _, it in nxt.first_step.values()), default=None) if nxt else None
         next_train = nxt.training_start()[0] if nxt else None
         no_progress = None
-        if failed and self.uses_progress:
+        if failed and train_ts is None and (self.uses_progress or self.sees_training):
+            no_progress = True  # the fault came before every rank was training
+        elif failed and self.uses_progress:
             no_progress = not c.first_step or ckpt is None
         elif c.end is not None and self.uses_progress:
             no_progress = not c.first_step and last_it is None

@@ -238,6 +238,17 @@ def test_without_progress_reports_work_lost_is_unknown():
     assert summary["progress_reported"] is False
     assert c0["work_lost_s"] is None and c0["no_progress"] is None
     assert c0["training_start_source"] == "training_started"
+    # A fault before training started is a cycle without progress, reports or not.
+    early = Stream()
+    early.at(0, "launcher_started").at(0, "workers_started", ranks=[0, 1])
+    early.at(4, "fault_injected", rank=1, fault_type="rank_killed", at=T0 + 4)
+    early.at(4.1, "worker_exited", rank=1, signal="SIGKILL").restart(4.2)
+    early.at(4.3, "workers_started", ranks=[0, 1]).at(9, "training_started")
+    e0, e1 = ledger_of(early.records).summary()["attempts"][0]["cycles"]
+    assert e0["no_progress"] is True and e0["productive_s"] == 0 and e1["no_progress"] is None
+    # A script that never talks to the launcher: nothing can be said.
+    silent = [r for r in early.records if r["event"] != "training_started"]
+    assert ledger_of(silent).summary()["attempts"][0]["cycles"][0]["no_progress"] is None
 
 
 # -- the status line (ft_launcher/status.py, pure formatting of a summary) ----------
