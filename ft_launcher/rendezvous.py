@@ -1,26 +1,73 @@
 """Rendezvous: who this node is in the job, and where the workers' process group meets.
 
 One node needs no rendezvous service and no torch import. Several nodes either use fixed
-addresses (``static``) or torch's own c10d rendezvous, imported only then.
+addresses (``static``) or torch's own dynamic rendezvous, imported only then, over one of
+two backends: ``c10d`` (a TCPStore hosted by one of the launchers) or ``etcd-v2`` (an etcd
+cluster, no single point of failure).
 
 Every cycle gets a fresh master port for the workers' process group (unless the user fixed
 one), so a new cycle never reads keys a previous cycle left in a store.
+
+ft_launcher picks rendezvous timings for fast failure detection (``RendezvousTimings``);
+each is overridable with ``--rdzv-conf`` under torch's name. A launcher that arrives when
+the round is full waits as a hot spare and says so through the ``events`` callback
+(``spare_waiting``, then ``spare_admitted``). A rendezvous service that cannot be reached
+any more raises ``RendezvousLost``; a rendezvous that the other nodes closed because the
+job is over raises ``RendezvousClosed``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
+
+from ft_launcher.config import ConfigError
 
 log = logging.getLogger("ft_launcher")
+
+EventSink = Callable[..., Any]  # events(name, **fields), e.g. Supervisor.event
+BACKENDS = ("c10d", "etcd-v2")
+ETCD_DEFAULT_PORT = 2379
+ETCD_RDZV_PREFIX = "/torch/elastic/rendezvous"  # torch's own key layout for etcd-v2
+ETCD_STORE_PREFIX = "/torch/elastic/store"
 
 
 class RendezvousError(RuntimeError):
     """The rendezvous could not be formed (bad endpoint, timeout, closed)."""
+
+
+class RendezvousLost(RendezvousError):
+    """The rendezvous service cannot be reached any more: the host of the c10d store is
+    gone, or no etcd member answers. Nothing this node can do brings it back; the job
+    must be requeued (this node is not to blame)."""
+
+    def __init__(self, backend: str, endpoint: str, cause: BaseException | str) -> None:
+        self.backend = backend
+        self.endpoint = endpoint
+        if isinstance(cause, BaseException):
+            inner = cause.__cause__ or cause  # torch wraps the socket's error in a generic one
+            cause = f"{type(inner).__name__}: {inner}"
+        self.cause = cause
+        what = "c10d store" if backend == "c10d" else "etcd cluster"
+        super().__init__(f"rendezvous lost: the {what} at {endpoint} is unreachable "
+                         f"({self.cause.splitlines()[0] if self.cause else 'no answer'})")
+
+
+class RendezvousClosed(RendezvousError):
+    """The other nodes closed the job's rendezvous: the job is over. ``was_spare`` tells
+    that this node waited as a hot spare and was never needed (a clean exit)."""
+
+    def __init__(self, message: str, was_spare: bool) -> None:
+        super().__init__(message)
+        self.was_spare = was_spare
 
 
 @dataclass
@@ -31,6 +78,101 @@ class RoundInfo:
     group_world_size: int
     master_addr: str
     master_port: int
+    round: int = 0
+    spare_wait_s: float | None = None  # set when this node waited as a hot spare first
+
+
+@dataclass(frozen=True)
+class RendezvousTimings:
+    """Timings of torch's dynamic rendezvous, chosen for fast failure detection.
+
+    torch's defaults (keep-alive 5 s x 3, last call 30 s, a 1 s state poll) take 15 s to
+    notice a dead node and 30 s more to close a round below the maximum size. Here a node
+    is dead after ``keep_alive_interval x keep_alive_max_attempt`` = 2 s without a
+    keep-alive, a round that reached its minimum closes after 1 s, and the shared state is
+    polled every ``poll_interval``. The price: more traffic to the rendezvous service
+    (one small read per node per poll), node clocks that must agree to well under a second
+    (keep-alives are wall-clock timestamps compared across nodes), and a node that stalls
+    longer than 2 s (swapping, a stopped process) is dropped and rejoins.
+    """
+
+    join_timeout: float = 600.0
+    last_call_timeout: float = 1.0
+    close_timeout: float = 5.0
+    keep_alive_interval: float = 0.5
+    keep_alive_max_attempt: int = 4
+    heartbeat_timeout: float = 2.0
+    read_timeout: float | None = None  # c10d: 60 s to connect; etcd: dead_after per request
+    poll_interval: float = 0.1  # ft_launcher's own key: torch polls every 1 s
+
+    @property
+    def dead_after(self) -> float:
+        """Seconds without a keep-alive after which the other nodes drop a node."""
+        return self.keep_alive_interval * self.keep_alive_max_attempt
+
+    @classmethod
+    def from_conf(cls, conf: dict[str, str]) -> tuple[RendezvousTimings, dict[str, str]]:
+        """Split ``--rdzv-conf`` into timings (validated) and the backend's other keys."""
+        values: dict[str, Any] = {}
+        rest = dict(conf)
+        for f in dataclasses.fields(cls):
+            if f.name not in rest:
+                continue
+            text = rest.pop(f.name)
+            if f.name == "keep_alive_max_attempt":
+                values[f.name] = _conf_int(f.name, text, minimum=3)
+            else:
+                values[f.name] = _conf_seconds(f.name, text)
+        return cls(**values), rest
+
+
+def _conf_seconds(key: str, text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigError(f"--rdzv-conf {key}: expected seconds, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"--rdzv-conf {key}: must be a positive number, got {text!r}")
+    return value
+
+
+def _conf_int(key: str, text: str, minimum: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ConfigError(f"--rdzv-conf {key}: expected an integer, got {text!r}") from None
+    if value < minimum:
+        # A keep-alive is sent when the last one is at least one interval old, so two can
+        # be up to two intervals apart: fewer than 3 attempts drops live nodes.
+        raise ConfigError(f"--rdzv-conf {key}: must be at least {minimum}, got {text!r}")
+    return value
+
+
+def parse_endpoints(endpoint: str, default_port: int) -> list[tuple[str, int]]:
+    """``host:port[,host:port...]`` (``[v6]:port`` too) -> [(host, port)]; errors name the
+    option."""
+    out = []
+    for part in endpoint.split(","):
+        part = part.strip()
+        host, port = part, default_port
+        if part.startswith("["):
+            host, _, tail = part[1:].partition("]")
+            if tail:
+                port = _endpoint_port(part, tail.removeprefix(":"))
+        elif part.count(":") == 1:
+            host, _, port_text = part.partition(":")
+            port = _endpoint_port(part, port_text)
+        if not host:
+            raise ConfigError(f"--rdzv-endpoint: expected host:port[,host:port...], "
+                              f"got {endpoint!r}")
+        out.append((host, port))
+    return out
+
+
+def _endpoint_port(part: str, text: str) -> int:
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise ConfigError(f"--rdzv-endpoint: bad port in {part!r}")
+    return int(text)
 
 
 def free_port(addr: str = "127.0.0.1") -> int:
@@ -85,8 +227,123 @@ class StaticRendezvous:
         pass
 
 
-class C10dRendezvous:
-    """torch's dynamic c10d rendezvous (TCPStore) for several nodes."""
+# -- torch's dynamic rendezvous, tuned (the only place that touches its internals) ---------
+
+
+def install_poll_interval(poll_s: float) -> bool:
+    """Make torch's join loop poll the shared state every ``poll_s`` instead of its fixed
+    1 s (``_delay(seconds=1)`` in dynamic_rendezvous; no setting exists). Process-wide,
+    which is fine: a launcher runs one rendezvous. False when torch no longer has the hook
+    (then rounds still form, only slower)."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    current = getattr(dr, "_delay", None)
+    if current is None:
+        log.warning("rendezvous: torch's poll delay not found; polling every 1 s")
+        return False
+    original = getattr(current, "ft_original", current)
+
+    def delay(seconds: float | tuple[float, float]) -> None:
+        if isinstance(seconds, tuple):  # the random skew before a round: at most one poll
+            seconds = (min(seconds[0], poll_s), min(seconds[1], poll_s))
+        original(poll_s if seconds == 1 else seconds)
+
+    delay.ft_original = original  # type: ignore[attr-defined]
+    dr._delay = delay
+    return True
+
+
+def _observed_holder(backend: Any, settings: Any, cache_s: float,
+                     observe: Callable[[Any], None]) -> Any:
+    """torch's state holder (a cached view of the shared rendezvous state) that reports
+    every state it reads to ``observe``, in the thread that synced."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    class ObservedStateHolder(dr._BackendRendezvousStateHolder):
+        def sync(self) -> bool | None:
+            result = super().sync()
+            try:
+                observe(self.state)
+            except Exception:  # an observer must never break torch's state machine
+                log.exception("rendezvous: state observer failed")
+            return result
+
+    return ObservedStateHolder(backend, settings, cache_duration=cache_s)
+
+
+def _c10d_backend(params: Any, timings: RendezvousTimings) -> tuple[Any, Any]:
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+
+    backend, store = create_backend(params)
+    # read_timeout bounded the connection; from now on a request that gets no answer (the
+    # host's machine is gone) fails within the keep-alive expiry, not after a minute.
+    store.set_timeout(timedelta(seconds=timings.dead_after))
+    return backend, store
+
+
+def _etcd_backend(endpoint: str, run_id: str, timings: RendezvousTimings,
+                  extra: dict[str, str]) -> tuple[Any, Any]:
+    """torch's etcd-v2 backend and store over one python-etcd client that knows every
+    member, so a member's loss fails over (torch's own factory takes one host only)."""
+    try:
+        import etcd
+    except ModuleNotFoundError:
+        raise RendezvousError("--rdzv-backend etcd-v2 needs the python-etcd client: "
+                              "pip install 'ft-launcher[etcd]'") from None
+    from torch.distributed.elastic.rendezvous.etcd_rendezvous_backend import (
+        EtcdRendezvousBackend,
+    )
+    from torch.distributed.elastic.rendezvous.etcd_store import EtcdStore
+
+    hosts = parse_endpoints(endpoint, ETCD_DEFAULT_PORT)
+    protocol = extra.pop("protocol", "http").strip().lower()
+    if protocol not in ("http", "https"):
+        raise ConfigError(f"--rdzv-conf protocol: expected http or https, got {protocol!r}")
+    cert = extra.pop("ssl_cert", None)
+    key = extra.pop("ssl_cert_key", None)
+    kwargs: dict[str, Any] = {
+        "protocol": protocol,
+        "read_timeout": timings.read_timeout or timings.dead_after,
+        "allow_reconnect": True,
+        "cert": (cert, key) if cert and key else cert,
+        "ca_cert": extra.pop("ca_cert", None),
+    }
+    if len(hosts) == 1:
+        client = etcd.Client(host=hosts[0][0], port=hosts[0][1], **kwargs)
+    else:
+        client = etcd.Client(host=tuple(hosts), **kwargs)
+    backend = EtcdRendezvousBackend(client, run_id, key_prefix=ETCD_RDZV_PREFIX)
+    store = EtcdStore(client, ETCD_STORE_PREFIX, timeout=timedelta(seconds=timings.dead_after))
+    return backend, store
+
+
+def _unreachable_types() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean "the rendezvous service did not answer"."""
+    import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+    types: list[type[BaseException]] = [RendezvousConnectionError, dist.DistNetworkError,
+                                        ConnectionError, TimeoutError]
+    try:
+        import etcd
+        import urllib3.exceptions
+
+        types += [etcd.EtcdConnectionFailed, urllib3.exceptions.HTTPError]
+    except ModuleNotFoundError:
+        pass
+    return tuple(types)
+
+
+class DynamicRendezvous:
+    """torch's dynamic rendezvous over c10d or etcd-v2, with fast timings, hot-spare events,
+    and distinct errors for a lost service and a closed job.
+
+    Entry points for the supervisor: ``next_round()`` (blocks; emits ``spare_waiting`` and
+    ``spare_admitted`` through ``events`` while it waits as a spare), ``num_nodes_waiting()``
+    (poll while workers run), ``exit_barrier()``, ``shutdown(close)``. Both blocking calls
+    raise ``RendezvousLost`` when the service is gone and ``RendezvousClosed`` when the job
+    is over; any other failure is a ``RendezvousError``.
+    """
 
     MASTER_KEY = "ft_launcher/master"
 
@@ -98,60 +355,177 @@ class C10dRendezvous:
         max_nodes: int,
         conf: dict[str, str],
         fixed_port: int | None,
+        backend: str = "c10d",
+        events: EventSink | None = None,
     ) -> None:
+        if backend not in BACKENDS:
+            raise ConfigError(f"--rdzv-backend: expected one of {', '.join(BACKENDS)}, "
+                              f"got {backend!r}")
         if not endpoint:
-            raise RendezvousError("--rdzv-endpoint: required with --rdzv-backend c10d")
+            raise ConfigError(f"--rdzv-endpoint: required with --rdzv-backend {backend}")
         # The workers form their own store per cycle; the agent's shared one is not wanted.
         os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-        from torch.distributed.elastic.rendezvous import RendezvousParameters
-        from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
-
+        self.backend = backend
         self.endpoint = endpoint
+        self.min_nodes, self.max_nodes = min_nodes, max_nodes
         self.fixed_port = fixed_port
-        self._round: tuple[object, int] | None = None  # (store, group world size)
-        self.local_addr = reachable_address(endpoint)
+        self.events = events
+        self.timings, extra = RendezvousTimings.from_conf(conf)
+        if backend == "etcd-v2":
+            parse_endpoints(endpoint, ETCD_DEFAULT_PORT)  # a clear error before any I/O
+        # A c10d store's client never reconnects: its first broken request is final. The
+        # etcd client fails over between members; a leader election takes about a second.
+        self._lost_grace = 0.0 if backend == "c10d" else self.timings.dead_after
+        self._unreachable_since: float | None = None
+        self._in_round = False
+        self._spare_since: float | None = None
+        self._round: tuple[Any, int] | None = None  # (store, group world size)
+        self.local_addr = reachable_address(endpoint.split(",")[0].strip("[]"))
+        install_poll_interval(self.timings.poll_interval)
+        self._unreachable = _unreachable_types()
         try:
+            self.handler, self._node = self._make_handler(run_id, extra)
+        except (ConfigError, RendezvousError):
+            raise
+        except Exception as exc:  # torch and the clients raise many kinds here
+            raise RendezvousError(f"--rdzv-endpoint {endpoint}: cannot reach the {backend} "
+                                  f"rendezvous: {type(exc).__name__} {exc}") from None
+
+    def _make_handler(self, run_id: str, extra: dict[str, str]) -> tuple[Any, Any]:
+        from torch.distributed.elastic.rendezvous import RendezvousParameters
+        from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+        t = self.timings
+        if self.backend == "c10d":
             params = RendezvousParameters(
-                backend="c10d",
-                endpoint=endpoint,
-                run_id=run_id,
-                min_nodes=min_nodes,
-                max_nodes=max_nodes,
-                local_addr=self.local_addr,
-                **conf,
-            )
-            self.handler = get_rendezvous_handler(params)
-        except (ValueError, RuntimeError, OSError) as exc:
-            raise RendezvousError(f"--rdzv-endpoint {endpoint}: {exc}") from None
+                backend="c10d", endpoint=self.endpoint, run_id=run_id,
+                min_nodes=self.min_nodes, max_nodes=self.max_nodes, local_addr=self.local_addr,
+                **extra, read_timeout=math.ceil(t.read_timeout or 60))
+            backend, store = _c10d_backend(params, t)
+        else:
+            backend, store = _etcd_backend(self.endpoint, run_id, t, extra)
+        settings = dr.RendezvousSettings(
+            run_id, self.min_nodes, self.max_nodes,
+            dr.RendezvousTimeout(join=timedelta(seconds=t.join_timeout),
+                                 last_call=timedelta(seconds=t.last_call_timeout),
+                                 close=timedelta(seconds=t.close_timeout),
+                                 heartbeat=timedelta(seconds=t.heartbeat_timeout)),
+            keep_alive_interval=timedelta(seconds=t.keep_alive_interval),
+            keep_alive_max_attempt=t.keep_alive_max_attempt)
+        holder = _observed_holder(backend, settings, t.poll_interval, self._observe)
+        node = dr.DynamicRendezvousHandler._node_desc_generator.generate(self.local_addr)
+        return dr.DynamicRendezvousHandler(node, settings, backend.name, store, holder), node
+
+    # -- events --------------------------------------------------------------------------
+
+    def _emit(self, name: str, **fields: Any) -> None:
+        if self.events is None:
+            return
+        try:
+            self.events(name, **fields)
+        except Exception:  # recording must never break the rendezvous
+            log.exception("rendezvous: cannot record %s", name)
+
+    def _observe(self, state: Any) -> None:
+        """Called with every state read. While this node waits for a round, being on the
+        redundancy list means the round is full and this node is a hot spare."""
+        if not self._in_round or self._spare_since is not None:
+            return
+        if self._node in state.redundancy_list:
+            self._spare_since = time.monotonic()
+            self._emit("spare_waiting", round=state.round, participants=len(state.participants),
+                       max_nodes=self.max_nodes)
+
+    @property
+    def waiting_as_spare(self) -> bool:
+        """True while next_round() waits with this node on the redundancy list."""
+        return self._in_round and self._spare_since is not None
+
+    # -- rounds --------------------------------------------------------------------------
+
+    def _failed(self, exc: BaseException, what: str) -> RendezvousError | None:
+        """Classify a failure: an error to raise now, or None to retry (a service that
+        has been unreachable for less than the grace)."""
+        from torch.distributed.elastic.rendezvous import api
+
+        if isinstance(exc, api.RendezvousGracefulExitError | api.RendezvousClosedError):
+            spare = self._spare_since is not None
+            return RendezvousClosed(
+                f"the rendezvous at {self.endpoint} was closed by the other nodes (the job "
+                f"is over){'; this spare was not needed' if spare else ''}", was_spare=spare)
+        if isinstance(exc, self._unreachable):
+            now = time.monotonic()
+            if self._unreachable_since is None:
+                self._unreachable_since = now
+            if now - self._unreachable_since >= self._lost_grace:
+                return RendezvousLost(self.backend, self.endpoint, exc)
+            log.warning("rendezvous: %s: %s at %s did not answer (%s); retrying", what,
+                        self.backend, self.endpoint, type(exc).__name__)
+            return None
+        if isinstance(exc, api.RendezvousTimeoutError):
+            return RendezvousError(f"no round formed at {self.endpoint} within join_timeout "
+                                   f"{self.timings.join_timeout:g} s")
+        return RendezvousError(f"rendezvous at {self.endpoint} failed: "
+                               f"{type(exc).__name__} {exc}")
+
+    def _torch_errors(self) -> tuple[type[BaseException], ...]:
+        from torch.distributed.elastic.rendezvous import api
+
+        # Not Exception: a signal handler's exception must pass through untouched.
+        return (api.RendezvousError, RuntimeError, OSError, ValueError, *self._unreachable)
 
     def next_round(self) -> RoundInfo:
+        """Join the next round (blocks). A node that finds the round full waits as a hot
+        spare (``spare_waiting``) until a node is lost (``spare_admitted``)."""
+        self._in_round, self._spare_since = True, None
         try:
-            info = self.handler.next_rendezvous()
-        except Exception as exc:  # torch raises many kinds here; all mean "no round"
-            raise RendezvousError(
-                f"rendezvous at {self.endpoint} failed: {type(exc).__name__} {exc}"
-            ) from None
+            while True:
+                try:
+                    info = self.handler.next_rendezvous()
+                    rnd = self._publish_master(info)
+                    self._unreachable_since = None
+                    break
+                except self._torch_errors() as exc:
+                    error = self._failed(exc, "next round")
+                    if error is not None:
+                        raise error from None
+                    time.sleep(self.timings.poll_interval)
+        finally:
+            self._in_round = False
+        if self._spare_since is not None:
+            rnd.spare_wait_s = round(time.monotonic() - self._spare_since, 3)
+            self._emit("spare_admitted", waited_s=rnd.spare_wait_s, round=rnd.round,
+                       group_rank=rnd.group_rank, group_world_size=rnd.group_world_size)
+        return rnd
+
+    def _publish_master(self, info: Any) -> RoundInfo:
+        """Group rank 0 picks the workers' master address; the others read it."""
         store = info.store  # prefixed per round by torch: no stale keys from a past round
         self._round = (store, info.world_size)
+        round_no = self.handler._state_holder.state.round
         if info.rank == 0:
             port = self.fixed_port or free_port("0.0.0.0")
             store.set(self.MASTER_KEY, f"{self.local_addr}:{port}")
-        else:
-            store.set_timeout(timedelta(seconds=300))
-            value = store.get(self.MASTER_KEY).decode()
-        if info.rank == 0:
-            addr = self.local_addr
-        else:
-            addr, _, port_text = value.rpartition(":")
-            port = int(port_text)
-        return RoundInfo(info.rank, info.world_size, addr, port)
+            return RoundInfo(0, info.world_size, self.local_addr, port, round_no)
+        wait_s = max(30.0, self.timings.dead_after)
+        store.wait([self.MASTER_KEY], timedelta(seconds=wait_s))
+        addr, _, port_text = store.get(self.MASTER_KEY).decode().rpartition(":")
+        return RoundInfo(info.rank, info.world_size, addr, int(port_text), round_no)
 
     def num_nodes_waiting(self) -> int:
+        """Nodes waiting to join (a restart brings them in); spares are not counted.
+        Raises RendezvousLost once the service has been unreachable past the grace."""
         try:
-            return self.handler.num_nodes_waiting()
-        except Exception as exc:  # a vanished store must not crash the supervisor
-            log.warning("rendezvous: cannot read waiting nodes: %s", exc)
+            waiting = self.handler.num_nodes_waiting()
+        except self._torch_errors() as exc:
+            error = self._failed(exc, "poll")
+            if isinstance(error, RendezvousLost):
+                raise error from None
+            if error is not None:
+                log.warning("rendezvous: cannot read waiting nodes: %s", error)
             return 0
+        self._unreachable_since = None
+        return waiting
 
     def exit_barrier(self, wait: bool, timeout: float = 300.0) -> None:
         """Say this node is leaving; with ``wait``, also wait until every node of the round
@@ -174,8 +548,27 @@ class C10dRendezvous:
             log.warning("exit barrier: %d of %d nodes finished after %.0f s", done, nodes,
                         timeout)
 
-    def shutdown(self) -> None:
+    def shutdown(self, close: bool = True) -> None:
+        """``close``: close the job's rendezvous (the job is over for every node; a waiting
+        spare then exits). Otherwise only leave it (this node stops alone, e.g. after a
+        failed health check): keep-alives stop and this node leaves the round at once, so
+        the others re-form without waiting for its keep-alive to lapse."""
         try:
-            self.handler.shutdown()
-        except Exception as exc:  # best effort at exit
+            if close:
+                self.handler.shutdown()
+            else:
+                self._leave()
+        except Exception as exc:  # best effort at exit; the service may be gone
             log.debug("rendezvous shutdown: %s", exc)
+
+    def _leave(self) -> None:
+        from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+        h = self.handler
+        h._stop_heartbeats()
+        with h._heartbeat_lock:
+            deadline = time.monotonic() + self.timings.close_timeout
+            h._op_executor.run(dr._RendezvousExitOp(), deadline)
+
+
+C10dRendezvous = DynamicRendezvous  # the name older callers import

@@ -1,0 +1,243 @@
+"""Several nodes on loopback: launchers as nodes, and a real 3-member etcd cluster.
+
+``Nodes`` starts ft_launcher processes (one per "node", ``--nproc-per-node 1``) running
+``node_worker.py``, and stops every one of them by pid at teardown. ``etcd_cluster``
+starts three etcd members with ``scripts/etcd_cluster.sh`` on kernel-chosen loopback ports
+and stops them by pid. Without the ``etcd`` binary the etcd tests are skipped, except as
+root or with CI set (CI installs Debian's etcd-server): there they fail, saying so.
+
+This folder is a package (``__init__.py``): a second top-level module named ``conftest``
+would shadow ``tests/conftest.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).resolve().parent / "node_worker.py"
+ETCD_SCRIPT = ROOT / "scripts" / "etcd_cluster.sh"
+LAUNCHER = [sys.executable, "-m", "ft_launcher.cli"]
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct ports the kernel says are free now (held open together, then closed)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def stop_pid(pid: int, grace: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL after ``grace``; a pid that is gone is fine."""
+    try:
+        proc = psutil.Process(pid)
+        proc.send_signal(signal.SIGCONT)
+        proc.terminate()
+        proc.wait(grace)
+    except psutil.NoSuchProcess:
+        return
+    except psutil.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:  # a line being written right now
+            continue
+    return out
+
+
+def wait_until(predicate, timeout: float, what: str, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    pytest.fail(f"timed out after {timeout} s waiting for {what}")
+
+
+@dataclass
+class Nodes:
+    """ft_launcher processes on loopback, one per node, all running node_worker.py."""
+
+    base: Path
+    common: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    @property
+    def out(self) -> Path:
+        return self.base / "out"
+
+    def start(self, name: str, *extra: str, env: dict[str, str] | None = None) -> int:
+        self.out.mkdir(parents=True, exist_ok=True)
+        cmd = [*LAUNCHER, "--ft-run-dir", str(self.base / name), *self.common, *extra,
+               str(WORKER), str(self.out)]
+        log = open(self.base / f"{name}.log", "w")  # the child keeps its own copy
+        self.procs[name] = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+            env={**os.environ, **self.env, **(env or {})})
+        log.close()
+        return self.procs[name].pid
+
+    def events(self, name: str, event: str | None = None) -> list[dict]:
+        evs = read_jsonl(self.base / name / "events.jsonl")
+        return [e for e in evs if event is None or e["event"] == event]
+
+    def summary(self, name: str) -> dict:
+        return json.loads((self.base / name / "summary.json").read_text())
+
+    def steps(self) -> list[dict]:
+        return read_jsonl(self.out / "steps.jsonl")
+
+    def log(self, name: str) -> str:
+        path = self.base / f"{name}.log"
+        return path.read_text()[-3000:] if path.exists() else ""
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> float:
+        """Signal one launcher; returns the wall-clock time of the kill."""
+        t = time.time()
+        os.kill(self.procs[name].pid, sig)
+        return t
+
+    def stop_training(self) -> None:
+        (self.out / "stop").touch()
+
+    def wait(self, name: str, timeout: float) -> int:
+        try:
+            return self.procs[name].wait(timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"launcher {name} did not exit within {timeout} s:\n{self.log(name)}")
+
+    def first_step(self, pred) -> dict | None:
+        return next((s for s in self.steps() if pred(s)), None)
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            stop_pid(proc.pid)
+            proc.wait(10)
+
+
+@pytest.fixture
+def nodes(run_dir: Path) -> Iterator[Nodes]:
+    """Factory-free: tests set ``nodes.common`` then call ``nodes.start(name)``."""
+    n = Nodes(base=run_dir, common=[])
+    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        yield n
+    finally:
+        n.close()
+
+
+def c10d_common(port: int, nnodes: str, run_id: str, *extra: str) -> list[str]:
+    return ["--nnodes", nnodes, "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id,
+            "--max-restarts", "5", "--workers-stop-timeout", "2", *extra]
+
+
+# -- etcd ------------------------------------------------------------------------------
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").lower() not in ("", "0", "false", "no")
+
+
+def require_etcd() -> None:
+    """Skip (not root, not CI) or fail (root or CI: CI installs it) without etcd/python-etcd."""
+    missing = []
+    if not any((Path(p) / "etcd").exists() for p in os.environ.get("PATH", "").split(":")):
+        missing.append("the etcd server (Debian: apt-get install -y etcd-server)")
+    try:
+        import etcd  # noqa: F401
+    except ModuleNotFoundError:
+        missing.append("the python-etcd client (pip install 'ft-launcher[etcd]')")
+    if not missing:
+        return
+    reason = "etcd tests need " + " and ".join(missing)
+    if _in_ci() or os.geteuid() == 0:
+        pytest.fail(f"{reason}; CI installs them, so their absence is an error here",
+                    pytrace=False)
+    pytest.skip(reason)
+
+
+@dataclass
+class EtcdCluster:
+    dir: Path
+    client_ports: list[int]
+    pids: list[int]
+
+    @property
+    def endpoints(self) -> str:
+        return ",".join(f"127.0.0.1:{p}" for p in self.client_ports)
+
+    def alive(self, i: int) -> bool:
+        try:
+            return psutil.Process(self.pids[i]).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    def leader(self) -> int | None:
+        """Index of the member that is the raft leader now (v2 stats)."""
+        for i, port in enumerate(self.client_ports):
+            if not self.alive(i):
+                continue
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/stats/self",
+                                            timeout=2) as r:
+                    if json.load(r).get("state") == "StateLeader":
+                        return i
+            except (OSError, ValueError):
+                continue
+        return None
+
+    def kill(self, i: int) -> float:
+        t = time.time()
+        os.kill(self.pids[i], signal.SIGKILL)
+        return t
+
+
+@pytest.fixture
+def etcd_cluster(tmp_path: Path) -> Iterator[EtcdCluster]:
+    require_etcd()
+    ports = free_ports(6)
+    cdir = tmp_path / "etcd"
+    env = {**os.environ, "ETCD_CLIENT_PORTS": ",".join(map(str, ports[:3])),
+           "ETCD_PEER_PORTS": ",".join(map(str, ports[3:]))}
+    res = subprocess.run(["bash", str(ETCD_SCRIPT), "start", str(cdir)], env=env,
+                         capture_output=True, text=True, timeout=60)
+    pids = [int(p.read_text()) for p in sorted(cdir.glob("m*.pid"))] if cdir.exists() else []
+    try:
+        assert res.returncode == 0, f"etcd_cluster.sh start failed:\n{res.stdout}{res.stderr}"
+        yield EtcdCluster(cdir, ports[:3], pids)
+    finally:
+        subprocess.run(["bash", str(ETCD_SCRIPT), "stop", str(cdir)], capture_output=True,
+                       timeout=60)
+        for pid in pids:  # whatever the script could not stop
+            stop_pid(pid, grace=2)
