@@ -18,7 +18,7 @@ import warnings
 from collections.abc import Collection, Iterator, Mapping
 from typing import Any
 
-from ft_agent import nvrx_types, protocol
+from ft_agent import nvrx_types, protocol, simulated_fault
 from ft_agent.nvrx_types import (
     CalculatedMarks,
     HeartbeatTimeouts,
@@ -389,15 +389,14 @@ def _arm_simulated_exit(spec: str) -> None:
     Signals can kill or stop a process from outside but cannot choose its exit code, so
     this one simulated fault is carried out by the rank itself.
     """
-    kind, _, rest = spec.partition(":")
-    if kind != "rank_exit":
+    if not spec:
         return
-    fields = dict(p.split("=", 1) for p in rest.split(",") if "=" in p)
-    try:
-        code, at = int(fields["code"]), float(fields["at"])
-    except (KeyError, ValueError):
-        log.warning("ignoring malformed FT_SIMULATED_FAULT=%r", spec)
+    parsed = simulated_fault.parse_exit_fault(spec)
+    if parsed is None:
+        if spec.startswith(simulated_fault.EXIT_FAULT):
+            log.warning("ignoring malformed FT_SIMULATED_FAULT=%r", spec)
         return
+    code, at = parsed
 
     def fire() -> None:
         log.warning("simulated fault: rank exits with %d", code)

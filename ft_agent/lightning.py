@@ -25,7 +25,6 @@ import json
 import logging
 import math
 import os
-import random
 import signal
 import threading
 import time
@@ -48,6 +47,7 @@ else:
         "pip install 'ft-launcher[lightning]' (or install lightning / pytorch_lightning)"
     )
 
+from ft_agent import simulated_fault
 from ft_agent.client import RankMonitorClient, get_client
 
 __all__ = [
@@ -163,14 +163,10 @@ def plan_fault(
             f"SimulatedFaultParams.rank_to_fail: rank {params.rank_to_fail} does not exist "
             f"in a world of {world_size} ranks"
         )
-    rng = random.Random(f"ft_agent.lightning:{run_id}:{cycle}")
-    rank = rng.randrange(world_size)
-    if params.rank_to_fail is not None:
-        rank = params.rank_to_fail
-    fault_type = params.fault_type
-    if fault_type == "random":
-        fault_type = rng.choice(("rank_killed", "rank_hung"))
-    delay = params.base_delay + rng.uniform(0.0, params.rand_delay)
+    fault = simulated_fault.draw(f"ft_agent.lightning:{run_id}", cycle, world_size,
+                                 params.fault_type, params.base_delay, params.rand_delay,
+                                 params.rank_to_fail)
+    fault_type, rank, delay = fault.fault_type, fault.rank, fault.delay
     return PlannedFault(fault_type, rank, delay)
 
 

@@ -11,11 +11,11 @@ until the cycle ends, or for ``duration`` seconds.
 from __future__ import annotations
 
 import math
-import random
 import signal
 import time
 from dataclasses import dataclass
 
+from ft_agent import simulated_fault
 from ft_launcher.config import ConfigError
 
 FAULT_TYPES = ("rank_killed", "rank_hung", "random", "rank_exit", "rank_slow")
@@ -59,7 +59,7 @@ class ArmedFault:
 
     def env_value(self) -> str:
         """FT_SIMULATED_FAULT for the victim (read by ft_agent for rank_exit)."""
-        return f"{self.fault_type}:code={self.code},at={self.at:.6f}"
+        return simulated_fault.exit_fault_value(self.code, self.at)
 
 
 def _number(key: str, value: str, kind: type) -> float | int:
@@ -158,12 +158,10 @@ def arm(plan: FaultPlan, cycle: int, world_size: int, run_id: str) -> ArmedFault
     """The fault for this cycle, identical on every node (seeded by run id and cycle)."""
     if not plan.fires_in(cycle):
         return None
-    rng = random.Random(f"{plan.seed if plan.seed is not None else run_id}:{cycle}")
     validate_world(plan, world_size)
-    rank = plan.rank if plan.rank is not None else rng.randrange(world_size)
-    fault_type = plan.fault_type
-    if fault_type == "random":
-        fault_type = rng.choice(("rank_killed", "rank_hung"))
-    delay = plan.base_delay + rng.uniform(0.0, plan.rand_delay)
+    seed = str(plan.seed) if plan.seed is not None else run_id
+    fault = simulated_fault.draw(seed, cycle, world_size, plan.fault_type, plan.base_delay,
+                                 plan.rand_delay, plan.rank)
+    fault_type, rank, delay = fault.fault_type, fault.rank, fault.delay
     return ArmedFault(fault_type, rank, time.time() + delay, plan.code,
                       factor=plan.factor, duration=plan.duration)

@@ -25,9 +25,9 @@ import random
 from dataclasses import dataclass, field
 
 from ft_launcher.timeouts import (
-    HEARTBEAT,
-    INITIAL,
-    OUT_OF_SECTION,
+    TIMEOUT_HEARTBEAT,
+    TIMEOUT_INITIAL,
+    TIMEOUT_OUT_OF_SECTION,
     TimeoutBook,
     section_kind,
 )
@@ -161,7 +161,7 @@ class Liveness:
         self._activity(r, t)
         if r.last_hb is not None:
             interval = t - r.last_hb
-            self._sample(r, HEARTBEAT, interval)
+            self._sample(r, TIMEOUT_HEARTBEAT, interval)
             self.book.heartbeat_interval(interval)
         r.last_hb = t
 
@@ -175,7 +175,7 @@ class Liveness:
         t = self._when(r, stamp, now)
         self._activity(r, t)
         if r.last_section_end is not None and not r.sections:
-            self._sample(r, OUT_OF_SECTION, t - r.last_section_end)
+            self._sample(r, TIMEOUT_OUT_OF_SECTION, t - r.last_section_end)
         r.sections[name] = t
 
     def section_close(self, rank: int, name: str, stamp: float | None, now: float) -> bool:
@@ -249,24 +249,24 @@ class Liveness:
         timeout_for = self.book.timeout_for
         out = []
         if r.first_activity is None:
-            timeout = timeout_for(INITIAL)
+            timeout = timeout_for(TIMEOUT_INITIAL)
             if timeout is not None:
-                out.append((r.spawned_at + timeout, INITIAL, timeout, r.spawned_at))
+                out.append((r.spawned_at + timeout, TIMEOUT_INITIAL, timeout, r.spawned_at))
             return out
         if r.last_hb is not None:
-            timeout = timeout_for(HEARTBEAT)
+            timeout = timeout_for(TIMEOUT_HEARTBEAT)
             if timeout is not None:
-                out.append((r.last_hb + timeout, HEARTBEAT, timeout, r.last_hb))
+                out.append((r.last_hb + timeout, TIMEOUT_HEARTBEAT, timeout, r.last_hb))
         for name, opened in r.sections.items():
             kind = section_kind(name)
             timeout = timeout_for(kind)
             if timeout is not None:
                 out.append((opened + timeout, kind, timeout, opened))
         if not r.sections and r.last_section_end is not None:
-            timeout = timeout_for(OUT_OF_SECTION)
+            timeout = timeout_for(TIMEOUT_OUT_OF_SECTION)
             if timeout is not None:
                 ref = r.last_section_end
-                out.append((ref + timeout, OUT_OF_SECTION, timeout, ref))
+                out.append((ref + timeout, TIMEOUT_OUT_OF_SECTION, timeout, ref))
         return out
 
     def next_deadline(self) -> float | None:
@@ -321,7 +321,7 @@ class Liveness:
     def _activity(self, r: RankLiveness, t: float) -> None:
         if r.first_activity is None:
             r.first_activity = t
-            self._sample(r, INITIAL, t - r.spawned_at)
+            self._sample(r, TIMEOUT_INITIAL, t - r.spawned_at)
         r.last_activity = max(r.last_activity or t, t)
 
     def _sample(self, r: RankLiveness, kind: str, value: float) -> None:

@@ -29,10 +29,9 @@ from ft_agent import protocol
 from ft_launcher.liveness import HangVerdict, Liveness
 from ft_launcher.stacks import STACK_SIGNAL
 from ft_launcher.timeouts import (
-    HEARTBEAT,
-    INITIAL,
-    OUT_OF_SECTION,
-    TIMEOUT_KEYS,
+    TIMEOUT_HEARTBEAT,
+    TIMEOUT_INITIAL,
+    TIMEOUT_OUT_OF_SECTION,
     TimeoutBook,
     parse_timeouts,
     save_state,
@@ -341,20 +340,20 @@ class Monitor:
 
         what = msg["what"]
         if what == "hb":
-            hb = worst(HEARTBEAT)
+            hb = worst(TIMEOUT_HEARTBEAT)
             if hb is None:
                 return False, "no heartbeat interval observed yet"
-            self.book.calculate(TIMEOUT_KEYS[HEARTBEAT], hb)
-            self.book.calculate(TIMEOUT_KEYS[INITIAL], worst(INITIAL))
+            self.book.calculate(TIMEOUT_HEARTBEAT, hb)
+            self.book.calculate(TIMEOUT_INITIAL, worst(TIMEOUT_INITIAL))
         elif what == "sections":
             names = {k.split(":", 1)[1] for k in longest if k.startswith("section:")}
             wanted = msg.get("sections")
             if isinstance(wanted, list):
                 names &= {n for n in wanted if isinstance(n, str)}
             for name in sorted(names):
-                self.book.calculate("", worst(section_kind(name)), section=name)
+                self.book.calculate(section_kind(name), worst(section_kind(name)))
             if msg.get("out_of_section", True):
-                self.book.calculate(TIMEOUT_KEYS[OUT_OF_SECTION], worst(OUT_OF_SECTION))
+                self.book.calculate(TIMEOUT_OUT_OF_SECTION, worst(TIMEOUT_OUT_OF_SECTION))
         else:
             return False, f"unknown calculation {what[:40]!r}"
         self._timeouts_changed(what)

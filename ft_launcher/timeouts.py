@@ -34,14 +34,15 @@ from ft_launcher.rundir import write_json_atomic
 log = logging.getLogger("ft_launcher")
 
 # Kinds of timeout, as the liveness model and the events name them.
-INITIAL = "initial"
-HEARTBEAT = "heartbeat"
-OUT_OF_SECTION = "out_of_section"
+TIMEOUT_INITIAL = "initial"
+TIMEOUT_HEARTBEAT = "heartbeat"
+TIMEOUT_OUT_OF_SECTION = "out_of_section"
 SECTION_PREFIX = "section:"
 SECTIONS_KEY = protocol.SECTION_TIMEOUTS_KEY
 
 # Kind -> the configuration / state-file / message key (NVRx's names, from the protocol).
-TIMEOUT_KEYS = dict(zip((INITIAL, HEARTBEAT, OUT_OF_SECTION), protocol.TIMEOUT_KEYS, strict=True))
+TIMEOUT_KEYS = dict(zip((TIMEOUT_INITIAL, TIMEOUT_HEARTBEAT, TIMEOUT_OUT_OF_SECTION),
+                        protocol.TIMEOUT_KEYS, strict=True))
 
 AUTO_MIN_INTERVALS = 100
 AUTO_MIN_TIMEOUT_S = 300.0
@@ -213,13 +214,13 @@ class TimeoutBook:
                     and calculated < configured:
                 return configured, "configured (not lowered by a calculated value)"
             return calculated, "calculated"
-        if configured is not None or explicit or kind != HEARTBEAT:
+        if configured is not None or explicit or kind != TIMEOUT_HEARTBEAT:
             return configured, "configured" if configured is not None else "off"
         learned = self._learned()
         return learned, "learned" if learned is not None else "not learned yet"
 
     def _learned(self) -> float | None:
-        longest = self.state.observed.get(HEARTBEAT)
+        longest = self.state.observed.get(TIMEOUT_HEARTBEAT)
         if self.hb_count < AUTO_MIN_INTERVALS and longest is None:
             return None
         longest = max(self.hb_longest, longest or 0.0)
@@ -263,15 +264,16 @@ class TimeoutBook:
         for kind, value in longest.items():
             self.state.observed[kind] = max(self.state.observed.get(kind, 0.0), value)
 
-    def calculate(self, key: str, longest: float | None, section: str | None = None) -> None:
-        """Put ``safety_factor x longest`` in force for a key (or a section), merged with
-        the earlier calculated value: a calculated timeout only grows, so a slow interval
-        seen in an earlier cycle is never forgotten."""
+    def calculate(self, kind: str, longest: float | None) -> None:
+        """Put ``safety_factor x longest`` in force for a kind of timeout, merged with the
+        earlier calculated value: a calculated timeout only grows, so a slow interval seen
+        in an earlier cycle is never forgotten."""
         if longest is None or not math.isfinite(longest):
             return
-        into = self.state.calculated.sections if section is not None else \
-            self.state.calculated.ranks
-        name = section if section is not None else key
+        if kind.startswith(SECTION_PREFIX):
+            into, name = self.state.calculated.sections, kind[len(SECTION_PREFIX):]
+        else:
+            into, name = self.state.calculated.ranks, TIMEOUT_KEYS[kind]
         # Saved as calculated; the floor applies to what is in force (explain), so a
         # state file shared by jobs with different floors stays meaningful.
         new = min(max(self.cfg.safety_factor * longest, 1e-3), MAX_TIMEOUT_S)

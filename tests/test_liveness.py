@@ -259,7 +259,7 @@ def test_heartbeat_timeout_is_learned_only_after_enough_intervals():
 
 def test_calculated_values_have_a_floor():
     book = _book(min_learned_timeout=60.0)
-    book.calculate("rank_heartbeat_timeout", 1e-9)
+    book.calculate("heartbeat", 1e-9)
     assert book.timeout_for("heartbeat") == 60.0
     book.set_values(TimeoutValues(ranks={"rank_heartbeat_timeout": 0.5}))
     assert book.explain("heartbeat") == (60.0, "calculated")
@@ -267,26 +267,26 @@ def test_calculated_values_have_a_floor():
 
 def test_a_configured_value_is_not_lowered_unless_the_user_says_so():
     book = _book(rank_heartbeat_timeout=5.0, min_learned_timeout=1.0)
-    book.calculate("rank_heartbeat_timeout", 0.2)  # 5 x 0.2 = 1 s
+    book.calculate("heartbeat", 0.2)  # 5 x 0.2 = 1 s
     assert book.explain("heartbeat") == (5.0, "configured (not lowered by a calculated value)")
-    book.calculate("rank_heartbeat_timeout", 2.0)  # 10 s: raising is fine
+    book.calculate("heartbeat", 2.0)  # 10 s: raising is fine
     assert book.timeout_for("heartbeat") == 10.0
     lowering = _book(rank_heartbeat_timeout=5.0, min_learned_timeout=1.0,
                      learned_timeouts_override=True)
-    lowering.calculate("rank_heartbeat_timeout", 0.2)
+    lowering.calculate("heartbeat", 0.2)
     assert lowering.timeout_for("heartbeat") == 1.0
 
 
 def test_calculated_timeouts_only_grow():
     book = _book(min_learned_timeout=1.0)
-    book.calculate("rank_heartbeat_timeout", 2.0)
-    book.calculate("rank_heartbeat_timeout", 0.5)
+    book.calculate("heartbeat", 2.0)
+    book.calculate("heartbeat", 0.5)
     assert book.timeout_for("heartbeat") == 10.0
 
 
 def test_learned_from_few_samples_still_respects_the_floor():
     book = _book(min_learned_timeout=30.0)
-    book.calculate("", 0.01, section="step")
+    book.calculate("section:step", 0.01)
     assert book.timeout_for("section:step") == 30.0
 
 

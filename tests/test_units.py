@@ -120,3 +120,30 @@ def test_agent_import_is_light_and_a_no_op_without_launcher():
     assert res.returncode == 0, res.stderr
     assert "WARN ft_agent: FT_ENDPOINT is not set" in res.stdout
     assert json.loads(res.stdout.splitlines()[-1].replace("'", '"')) == {"current_timeouts": {}}
+
+
+def test_simulated_fault_draw_and_exit_format_are_shared_by_launcher_and_agent():
+    from ft_agent import simulated_fault
+    from ft_agent.lightning import SimulatedFaultParams, plan_fault
+
+    draws = {simulated_fault.draw("job", 3, 8, "random", 2.0, 1.0) for _ in range(5)}
+    assert len(draws) == 1
+    (d,) = draws
+    assert d.fault_type in simulated_fault.SIGNAL_FAULTS and 0 <= d.rank < 8
+    assert 2.0 <= d.delay <= 3.0
+    # A fixed victim leaves the type and the delay as drawn.
+    fixed = simulated_fault.draw("job", 3, 8, "random", 2.0, 1.0, rank=5)
+    assert (fixed.fault_type, fixed.rank, fixed.delay) == (d.fault_type, 5, d.delay)
+    # The launcher's plan and the Lightning callback's plan use the same draw.
+    plan = faults.arm(faults.parse_fault("random:base_delay=2,rand_delay=1,seed=42"), 0, 8, "x")
+    same = simulated_fault.draw("42", 0, 8, "random", 2.0, 1.0)
+    assert (plan.fault_type, plan.rank) == (same.fault_type, same.rank)
+    planned = plan_fault(SimulatedFaultParams("random", 2.0, 1.0), 8, "job", 0)
+    agent = simulated_fault.draw("ft_agent.lightning:job", 0, 8, "random", 2.0, 1.0)
+    assert (planned.fault_type, planned.rank, planned.delay) == \
+        (agent.fault_type, agent.rank, agent.delay)
+    value = simulated_fault.exit_fault_value(16, 1234.5)
+    assert simulated_fault.parse_exit_fault(value) == (16, 1234.5)
+    for bad in ("rank_exit:code=0,at=1", "rank_exit:code=16,at=nan", "rank_exit:at=1",
+                "rank_killed:code=1,at=1", ""):
+        assert simulated_fault.parse_exit_fault(bad) is None
