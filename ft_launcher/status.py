@@ -40,3 +40,27 @@ def status_line(summary: dict[str, Any], now: float) -> str:
     if len(attempts) > 1:
         parts.insert(1, f"attempt {current.get('attempt')}")
     return " | ".join(parts)
+
+
+class StatusTimer:
+    """When the next status line is due (pure: the caller passes the time).
+
+    ``interval`` 0 turns the line off: ``due`` is never true and ``next_due`` is None, so the
+    supervisor's poll need not wake for it.
+    """
+
+    def __init__(self, interval: float, start: float) -> None:
+        self.interval = interval
+        self._next = start + interval if interval > 0 else None
+
+    def next_due(self) -> float | None:
+        """The time of the next line (for the supervisor's poll timeout), or None."""
+        return self._next
+
+    def due(self, now: float) -> bool:
+        """True once per interval; a late call does not cause a burst of lines."""
+        if self._next is None or now < self._next:
+            return False
+        while self._next <= now:
+            self._next += self.interval
+        return True

@@ -13,7 +13,7 @@ import pytest
 
 from ft_launcher.ledger import Ledger, ledger_of
 from ft_launcher.rundir import read_events
-from ft_launcher.status import status_line
+from ft_launcher.status import StatusTimer, status_line
 
 T0 = 1_800_000_000.0
 
@@ -275,6 +275,16 @@ def test_status_line_names_the_attempt_when_there_are_several():
     records = killed_then_finished().records + killed_then_finished(2, 100).records[:3]
     line = status_line(ledger_of(records).summary(now=T0 + 160), T0 + 160)
     assert line.startswith("status: 0:01:00 elapsed | attempt 2 | cycle 0 | 0 restarts")
+
+
+def test_status_timer_is_due_once_per_interval_and_off_at_zero():
+    timer = StatusTimer(60, start=1000)
+    assert timer.next_due() == 1060 and not timer.due(1059.9)
+    assert timer.due(1060) and not timer.due(1061) and timer.next_due() == 1120
+    assert timer.due(1400) and not timer.due(1400)  # a stalled loop: one line, not five
+    assert timer.next_due() == 1420
+    off = StatusTimer(0, start=1000)
+    assert off.next_due() is None and not any(off.due(t) for t in (1000, 1e9))
 
 
 # -- end to end ----------------------------------------------------------------------
