@@ -1,19 +1,28 @@
-"""Spawning, watching and stopping one cycle's group of local workers."""
+"""Spawning, watching and stopping one cycle's group of local workers.
+
+Each worker runs in its own session and process group, dies with the launcher
+(PDEATHSIG), and its group is registered with the process-group guardian
+(``guardian.py``), which SIGKILLs every registered group once the launcher is gone, even
+after a SIGKILL. Its merged output is drained by an ``output.OutputPump``.
+"""
 
 from __future__ import annotations
 
 import ctypes
 import logging
 import os
+import resource
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import Any
+
+from ft_launcher.guardian import Guardian
+from ft_launcher.output import OutputPump, Sink, open_log
 
 log = logging.getLogger("ft_launcher")
 
@@ -25,6 +34,34 @@ except (OSError, AttributeError):  # not Linux: rely on teardown alone
     _prctl = None
 
 
+# The launcher's own open-file limit is raised at start (raise_fd_limit); workers get the
+# limit the user gave the launcher, as under torchrun.
+_worker_nofile: tuple[int, int] | None = None
+GUARDIAN = Guardian()
+
+
+def raise_fd_limit() -> tuple[int, int]:
+    """Raise the soft RLIMIT_NOFILE to the hard limit (each connected rank costs the
+    monitor a descriptor); returns (old soft, new soft). Workers keep the old one."""
+    global _worker_nofile
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard
+    if hard == resource.RLIM_INFINITY:
+        try:
+            with open("/proc/sys/fs/nr_open") as f:
+                target = int(f.read())
+        except (OSError, ValueError):
+            target = 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            _worker_nofile = (soft, hard)
+            return soft, target
+        except (OSError, ValueError) as exc:
+            log.warning("cannot raise the open-file limit from %d to %d: %s", soft, target, exc)
+    return soft, soft
+
+
 def _child_setup(parent_pid: int) -> None:
     # Runs in the child between fork and exec. A worker must never outlive a launcher that
     # was SIGKILLed: the kernel delivers SIGKILL to the child when its parent thread dies.
@@ -32,6 +69,11 @@ def _child_setup(parent_pid: int) -> None:
         _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
         if os.getppid() != parent_pid:  # parent died before prctl took effect
             os._exit(1)
+    if _worker_nofile is not None:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, _worker_nofile)
+        except (OSError, ValueError):
+            pass
 
 
 @dataclass
@@ -54,7 +96,7 @@ class Worker:
     proc: subprocess.Popen
     started_at: float
     exit_code: int | None = None  # negative: killed by that signal (Popen convention)
-    _pump: threading.Thread | None = field(default=None, repr=False)
+    _pump: OutputPump | threading.Thread | None = field(default=None, repr=False)
     warm: bool = False  # an activated standby (warm restart), not a fresh spawn
     reported: bool = False  # its exit is on record (events.jsonl)
 
@@ -74,16 +116,25 @@ class Worker:
     def alive(self) -> bool:
         return self.exit_code is None
 
+    @property
+    def output_dropped_bytes(self) -> int:
+        """Output bytes its log file could not take (a full disk); they were drained."""
+        return getattr(self._pump, "dropped_bytes", 0)
+
     def describe_exit(self) -> dict[str, object]:
-        """{"exit_code": N, "signal": None} or {"exit_code": None, "signal": "SIGKILL"}."""
+        """{"exit_code": N, "signal": None} or {"exit_code": None, "signal": "SIGKILL"};
+        plus ``output_dropped_bytes`` when its log lost output."""
         code = self.exit_code
+        info: dict[str, object] = {"exit_code": code, "signal": None}
         if code is not None and code < 0:
             try:
                 name = signal.Signals(-code).name
             except ValueError:
                 name = str(-code)
-            return {"exit_code": None, "signal": name}
-        return {"exit_code": code, "signal": None}
+            info = {"exit_code": None, "signal": name}
+        if self.output_dropped_bytes:
+            info["output_dropped_bytes"] = self.output_dropped_bytes
+        return info
 
 
 def spawn_process(argv: list[str], env: dict[str, str], stdin: int) -> subprocess.Popen:
@@ -93,7 +144,7 @@ def spawn_process(argv: list[str], env: dict[str, str], stdin: int) -> subproces
     and outlived by nothing in the same way.
     """
     parent = os.getpid()
-    return subprocess.Popen(
+    proc = subprocess.Popen(
         argv,
         env=env,
         stdin=stdin,
@@ -103,29 +154,18 @@ def spawn_process(argv: list[str], env: dict[str, str], stdin: int) -> subproces
         preexec_fn=lambda: _child_setup(parent),  # noqa: PLW1509
         close_fds=True,
     )
-
-
-def _pump_output(stream: IO[bytes], log_file: IO[bytes], prefix: bytes | None) -> None:
-    # A thread per worker copies its merged stdout/stderr to the cycle's log file, and to the
-    # console when asked, so the worker never blocks on a full pipe.
-    out = sys.stdout.buffer if prefix is not None else None
-    with stream, log_file:
-        for line in iter(stream.readline, b""):
-            log_file.write(line)
-            log_file.flush()
-            if out is not None:
-                try:
-                    out.write(prefix + line)
-                    out.flush()
-                except (OSError, ValueError):
-                    out = None
+    GUARDIAN.register(proc.pid, env.get("FT_RUN_DIR", ""))
+    return proc
 
 
 class WorkerGroup:
     """The local workers of one cycle, each in its own session and process group."""
 
-    def __init__(self) -> None:
+    def __init__(self, events: Callable[..., Any] | None = None) -> None:
+        """``events(name, **fields)``, when given, records ``output_dropped`` (once per
+        worker whose log file cannot be written: a full disk)."""
         self.workers: list[Worker] = []
+        self.events = events
 
     def start(self, specs: list[WorkerSpec],
               warm: Callable[[WorkerSpec], Worker | None] | None = None) -> None:
@@ -144,23 +184,29 @@ class WorkerGroup:
             self.kill_all()
             raise
 
-    @staticmethod
-    def _spawn(spec: WorkerSpec) -> Worker:
-        log_file = open(spec.log_path, "ab", buffering=0)  # noqa: SIM115
+    def sink(self, spec: WorkerSpec) -> Sink:
+        """Where a worker's output goes: its cycle log (never through a symlink), and the
+        console with a rank prefix when it is echoed."""
+        prefix = f"[rank{spec.rank}]: ".encode() if spec.echo else None
+
+        def dropped(reason: str) -> None:
+            if self.events is not None:
+                self.events("output_dropped", rank=spec.rank, log=str(spec.log_path),
+                            reason=reason)
+
+        return Sink(open_log(spec.log_path), prefix, label=f"rank {spec.rank}",
+                    on_drop=dropped)
+
+    def _spawn(self, spec: WorkerSpec) -> Worker:
+        sink = self.sink(spec)
         try:
             proc = spawn_process(spec.argv, spec.env, stdin=subprocess.DEVNULL)
         except OSError:
-            log_file.close()
+            sink.close()
             raise
-        prefix = f"[rank{spec.rank}]: ".encode() if spec.echo else None
+        assert proc.stdout is not None
         worker = Worker(spec=spec, proc=proc, started_at=time.time())
-        worker._pump = threading.Thread(
-            target=_pump_output,
-            args=(proc.stdout, log_file, prefix),
-            name=f"ft-log-rank{spec.rank}",
-            daemon=True,
-        )
-        worker._pump.start()
+        worker._pump = OutputPump(proc.stdout, sink, name=f"ft-log-rank{spec.rank}").start()
         return worker
 
     def poll(self) -> list[Worker]:
@@ -196,7 +242,11 @@ class WorkerGroup:
             return False
 
     def stop(self, grace: float, signum: int = signal.SIGTERM) -> None:
-        """SIGCONT + ``signum`` to every group, wait up to ``grace``, then SIGKILL."""
+        """SIGCONT + ``signum`` to every group, wait up to ``grace``, then SIGKILL.
+
+        Workers that already exited are reaped first, so one that exited by itself (a 16
+        just before the teardown) keeps its own exit code and is not signalled."""
+        self.poll()
         for w in self.alive():
             # A SIGSTOPped worker would never act on SIGTERM; continue it first.
             self.send_signal(w, signal.SIGCONT)
@@ -211,6 +261,8 @@ class WorkerGroup:
             self.send_signal(w, signal.SIGKILL)
         self._wait(10.0)
         for w in self.workers:
+            if not w.alive:
+                GUARDIAN.unregister(w.pid)
             if w._pump is not None:
                 w._pump.join(timeout=2.0)
 
