@@ -1,0 +1,199 @@
+"""Stragglers end to end: a real launcher slows a real gloo rank (``rank_slow``), and its
+monitor names that rank from the time each rank spends in ``client.section("compute")``.
+
+The script (tests/scripts/straggler_train.py) logs every step's end time per rank, so "within
+20 steps of onset" is counted in the slow rank's own steps between the launcher's
+``fault_injected`` and ``straggler_detected`` events. The test ends the training (a stop
+file) once it has seen what it waits for, so a fast machine finishes fast; the bounds are
+generous because this machine is shared. Timing rules are in tests/test_straggler.py.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from launch_helpers import ROOT, SCRIPTS, events, launcher_cmd, named, summary
+
+from ft_launcher.straggler import speed_table
+
+pytestmark = pytest.mark.timeout(240)
+
+TRAIN = str(SCRIPTS / "straggler_train.py")
+WORK = "350000"  # ~20 ms of pure-Python CPU per step on an idle core
+ONSET_S = 8.0  # base_delay of rank_slow (from the launcher's start)
+FAST_STOP = ("--workers-stop-timeout", "5")
+
+
+def steps(out: Path, rank: int, cycle: int = 0) -> list[tuple[int, float, float]]:
+    """(step, wall time at its end, compute seconds) of one rank."""
+    path = out / f"cycle_{cycle}_rank_{rank}.txt"
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        parts = line.split()
+        if len(parts) == 3:
+            rows.append((int(parts[0]), float(parts[1]), float(parts[2])))
+    return rows
+
+
+def train(run_dir: Path, out: Path, nproc: int, *ft_args: str, until, bound_s: float,
+          cap_s: float = 150.0, idle: float = 0.0) -> tuple[subprocess.CompletedProcess,
+                                                            list[dict]]:
+    """Run the launcher; once ``until(events)`` holds (or after ``bound_s``) the training
+    is told to stop. The script stops itself after ``cap_s`` in any case."""
+    cmd = launcher_cmd(run_dir, "--nproc-per-node", str(nproc), *FAST_STOP, *ft_args, TRAIN,
+                       str(out), "--work", WORK, "--seconds", str(cap_s), "--idle", str(idle))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=ROOT, env={**os.environ})
+    deadline = time.monotonic() + bound_s
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            if until(events(run_dir)):
+                break
+            time.sleep(0.2)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "stop").touch()
+        output, _ = proc.communicate(timeout=cap_s + 60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        output, _ = proc.communicate()
+        pytest.fail(f"ft_launcher did not finish:\n{output[-3000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, output, None), events(run_dir)
+
+
+def steps_after(out: Path, rank: int, since: float, until: float) -> int:
+    return sum(1 for _, ts, _ in steps(out, rank) if since < ts <= until)
+
+
+def detected_then(extra_steps: int, out: Path, rank: int):
+    """until(): a straggler_detected event, then ``extra_steps`` more steps of ``rank``."""
+    def until(evs: list[dict]) -> bool:
+        found = named(evs, "straggler_detected")
+        return bool(found) and steps_after(out, rank, found[0]["ts"], float("inf")) >= \
+            extra_steps
+    return until
+
+
+def check_named_within_20_steps(run_dir: Path, out: Path, proc, evs: list[dict], nproc: int,
+                                window: int, clean_steps: int = 0):
+    """rank 1 named within 20 of its steps after the onset (or after its first step, when
+    the machine was so slow that the onset came first: ``clean_steps`` = 0 allows it)."""
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    injected = named(evs, "fault_injected")
+    assert len(injected) == 1, injected
+    assert (injected[0]["fault_type"], injected[0]["rank"], injected[0]["factor"]) == (
+        "rank_slow", 1, 2.0)
+    onset = injected[0]["ts"]
+    before = sum(1 for _, ts, _ in steps(out, 1) if ts <= onset)
+    assert before >= clean_steps, f"only {before} clean steps before the onset: machine " \
+        "too loaded for this test's base_delay"
+    detected = named(evs, "straggler_detected")
+    assert detected, f"rank 1 was never reported; compute times of rank 1: " \
+        f"{[round(c, 3) for _, _, c in steps(out, 1)]}\nrank 0: " \
+        f"{[round(c, 3) for _, _, c in steps(out, 0)]}"
+    first = detected[0]
+    assert {e["rank"] for e in detected} == {1}, f"a healthy rank was reported: {detected}"
+    assert (first["rank"], first["host"], first["section"], first["window"]) == (
+        1, socket.gethostname(), "compute", window)
+    assert first["score"] > 1.3 and first["steps"] >= window, "never on fewer than a window"
+    taken = steps_after(out, 1, onset, first["ts"])
+    assert taken <= 20, f"detected {taken} steps after the onset"
+    assert summary(run_dir)["restarts"] == 0, "report: the job goes on"
+    assert steps(out, 0)[-1][0] == steps(out, nproc - 1)[-1][0], "every rank ran every step"
+
+
+def test_a_slow_rank_of_2_is_named_within_20_steps(run_dir: Path, tmp_path: Path):
+    """A window of 10 steps: named within 20 steps even when a loaded machine started the
+    training after the onset (the default window of 20 is the 4-rank test's)."""
+    out = tmp_path / "steps"
+    proc, evs = train(run_dir, out, 2, "--ft-straggler-window", "10", "--ft-simulated-fault",
+                      f"rank_slow:factor=2,rank=1,base_delay={ONSET_S}",
+                      until=detected_then(5, out, 1), bound_s=90)
+    check_named_within_20_steps(run_dir, out, proc, evs, 2, window=10)
+
+
+@pytest.mark.slow
+def test_a_slow_rank_of_4_is_named_within_20_steps(run_dir: Path, tmp_path: Path):
+    """Default settings (window 20, threshold 1.3); the onset waits for the imports of 4
+    ranks and 10 clean steps, even on a loaded machine."""
+    out = tmp_path / "steps"
+    proc, evs = train(run_dir, out, 4, "--ft-simulated-fault",
+                      f"rank_slow:factor=2,rank=1,base_delay={ONSET_S + 12}",
+                      until=detected_then(5, out, 1), bound_s=150)
+    check_named_within_20_steps(run_dir, out, proc, evs, 4, window=20, clean_steps=10)
+
+
+@pytest.mark.slow
+def test_a_transient_slowdown_is_reported_then_cleared(run_dir: Path, tmp_path: Path):
+    out = tmp_path / "steps"
+    proc, evs = train(run_dir, out, 2, "--ft-simulated-fault",
+                      f"rank_slow:factor=3,rank=1,base_delay={ONSET_S},duration=8",
+                      until=lambda evs: bool(named(evs, "straggler_cleared")), bound_s=120)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    transitions = [(e["event"], e["rank"]) for e in evs
+                   if e["event"] in ("straggler_detected", "straggler_cleared")]
+    assert transitions == [("straggler_detected", 1), ("straggler_cleared", 1)], transitions
+    injected = named(evs, "fault_injected")[0]
+    cleared = named(evs, "straggler_cleared")[0]
+    assert cleared["ts"] > injected["ts"] + 8, "cleared only after the slowdown ended"
+    assert cleared["score"] < 1.3
+
+
+@pytest.mark.slow
+def test_restart_action_restarts_the_group_away_from_the_slowdown(run_dir: Path,
+                                                                  tmp_path: Path):
+    """rank_slow fires in cycle 0 only: after the restart the job runs clean to the end."""
+    out = tmp_path / "steps"
+
+    def until(evs):
+        return len(steps(out, 1, cycle=1)) >= 30
+
+    proc, evs = train(run_dir, out, 2, "--max-restarts", "2", "--ft-straggler-action",
+                      "restart", "--ft-simulated-fault",
+                      f"rank_slow:factor=2,rank=1,base_delay={ONSET_S}", until=until,
+                      bound_s=150)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    detected = named(evs, "straggler_detected")
+    assert [(e["cycle"], e["rank"]) for e in detected] == [(0, 1)], detected
+    s = summary(run_dir)
+    assert (s["exit_code"], s["restarts"], s["cycles"]) == (0, 1, 2)
+    decision = [e for e in named(evs, "decision") if e["cycle"] == 0][0]
+    assert "straggler" in str(decision.get("reason")), decision
+    assert len(steps(out, 1, cycle=1)) >= 30
+
+
+@pytest.mark.slow
+def test_exclude_action_requeues_without_the_stragglers_host(run_dir: Path, tmp_path: Path):
+    out = tmp_path / "steps"
+    proc, evs = train(run_dir, out, 2, "--max-restarts", "2", "--ft-straggler-action",
+                      "exclude", "--ft-simulated-fault",
+                      f"rank_slow:factor=2,rank=1,base_delay={ONSET_S}",
+                      until=lambda evs: False, bound_s=90)
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    assert [e["rank"] for e in named(evs, "straggler_detected")] == [1]
+    s = summary(run_dir)
+    assert s["restarts"] == 0
+    nxt = s["next_action"]
+    assert nxt["requeue"] is True and nxt["exclude_nodes"] == [socket.gethostname()], nxt
+    assert "straggler" in nxt["why"]
+
+
+@pytest.mark.slow
+def test_a_clean_run_of_8_ranks_reports_no_straggler(run_dir: Path, tmp_path: Path):
+    """8 ranks on 2 shared cores for ~60 s of steps: noise, no straggler. The 5-minute run is
+    scripts/straggler_soak.sh."""
+    out = tmp_path / "steps"
+    proc, evs = train(run_dir, out, 8, until=lambda evs: False, bound_s=400, cap_s=75,
+                      idle=0.05)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert named(evs, "straggler_detected") == []
+    counts = [len(steps(out, r)) for r in range(8)]
+    assert min(counts) >= 60, f"too few steps to say anything: {counts}"
+    table = speed_table(evs)
+    assert len(table) == 8 and all(row["score"] < 1.3 for row in table), table
