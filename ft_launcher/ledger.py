@@ -184,14 +184,15 @@ class Ledger:
         if handler is not None:
             handler(att, cyc, record, ts)
 
-    def progress(self, rank: int, iteration: int, ts: float | None = None) -> None:
-        """A step a rank reported, live (not an event): feeds ``last_step`` only."""
+    def progress(self, rank: int, iteration: int) -> None:
+        """A step a rank reported, live (each report, not an event): feeds ``last_step``
+        of the current cycle for the status line and metrics; cheap."""
         if not self.attempts or _int(iteration) is None:
             return
         att = self.attempts[-1]
         cyc = att.cycles.get(att.current) if att.current is not None else None
         if cyc is not None:
-            cyc.live_step = max(iteration, cyc.live_step or iteration)
+            cyc.live_step = iteration if cyc.live_step is None else max(iteration, cyc.live_step)
             self.uses_progress = True
 
     def _new_attempt(self, record: dict[str, Any], ts: float) -> None:
