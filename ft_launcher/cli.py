@@ -341,7 +341,9 @@ def cli(**opts: Any) -> None:
         if not verbose:  # NVRx's log_level; -v still means debug
             logging.getLogger().setLevel(cfg.ft.log_level)
         from ft_launcher.supervisor import Supervisor  # after validation: imports zmq
+        from ft_launcher.workers import raise_fd_limit
 
+        raise_fd_limit()  # each rank's connection costs a descriptor; workers keep the old limit
         supervisor = Supervisor(cfg)
     except (ConfigError, OSError, RuntimeError) as exc:
         raise click.ClickException(str(exc)) from None
