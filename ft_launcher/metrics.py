@@ -112,6 +112,11 @@ class MetricsExporter:
         self._cycle.set(record["cycle"])
         self._alive_gauge.set(len(self._alive))
 
+    def progress(self, rank: int, iteration: int) -> None:
+        """A step a rank reported (each report): keeps ``ft_last_step`` current."""
+        with self._lock:
+            self.ledger.progress(rank, iteration)
+
     def _last_cause(self) -> str:
         """What ended the cycle before a restart: the decision's outcome (failed, hung,
         peer_changed, ...)."""

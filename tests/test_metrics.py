@@ -70,8 +70,10 @@ def test_live_figures_move_with_the_run(exporter: MetricsExporter):
     assert first[("ft_wall_seconds", ())] == pytest.approx(10, abs=1.0)
     assert first[("ft_goodput", ())] == pytest.approx(0.7, abs=0.05)
     ages[0] = 7.5
+    exporter.progress(0, 42)
     time.sleep(0.5)
     second = scrape(exporter.address)
+    assert second[("ft_last_step", ())] == 42
     assert second[("ft_seconds_since_heartbeat", (("rank", "0"),))] == 7.5
     # Figures that change with time are computed at each scrape.
     assert second[("ft_wall_seconds", ())] >= first[("ft_wall_seconds", ())] + 0.5
