@@ -10,7 +10,8 @@ Kinds (agent -> monitor unless noted):
 =================  ==================================================================
 ``hello``          token, rank, local_rank, pid, host, cycle
 ``config``         monitor -> agent reply to hello: ``ok``, ``error``, ``timeouts``,
-                   ``stack_file``, ``stack_signal``
+                   ``stack_signal`` (never a path: the agent writes only where its
+                   environment says, so a fake monitor cannot aim it at a file)
 ``hb``             heartbeat, fire-and-forget; ``t``: the sender's monotonic clock
 ``sec_open``       ``name``: a section starts (and ``t``, as for hb)
 ``sec_close``      ``name``: a section ends (and ``t``)
@@ -76,7 +77,6 @@ SECTION_TIMEOUTS_KEY = "rank_section_timeouts"
 MAX_FRAME_BYTES = 64 * 1024
 MAX_NAME_CHARS = 256  # section names, hosts, states, report kinds, tokens
 MAX_TEXT_CHARS = 16_000  # free text: a report's or a diagnosis' message
-MAX_PATH_CHARS = 4096
 MAX_SECTIONS = 4096  # names in a calc request or a section-timeouts object
 MAX_TIMEOUT_S = 1e9  # ~30 years: any real timeout fits; inf and NaN never do
 MAX_INT = 2**63 - 1  # iterations, request ids
@@ -221,7 +221,6 @@ _SCHEMA: dict[str, dict[str, tuple[Validator, bool]]] = {
         "ok": (_boolean, True),
         "error": (_nullable(_text(MAX_TEXT_CHARS)), False),
         "timeouts": (_timeouts, False),
-        "stack_file": (_nullable(_text(MAX_PATH_CHARS)), False),
         "stack_signal": (_nullable(_integer(1, 64)), False),
     },
     HEARTBEAT: {"t": (_STAMP, False)},

@@ -42,9 +42,9 @@ TARGET_FRAMES = 1_000_000
 VALID = [
     protocol.encode(protocol.HELLO, token="a" * 32, rank=3, local_rank=1, pid=4242,
                     host="node-1", cycle=2),
-    protocol.encode(protocol.CONFIG, ok=True, error=None, stack_file="/x/ipc/s.raw",
-                    stack_signal=12, timeouts={"rank_heartbeat_timeout": 30.0,
-                                               "rank_section_timeouts": {"step": 5}}),
+    protocol.encode(protocol.CONFIG, ok=True, error=None, stack_signal=12,
+                    timeouts={"rank_heartbeat_timeout": 30.0,
+                              "rank_section_timeouts": {"step": 5}}),
     protocol.HEARTBEAT_FRAME,
     protocol.heartbeat_frame(12345.678),
     protocol.encode(protocol.SECTION_OPEN, name="step", t=1.5),
@@ -194,6 +194,12 @@ def test_unknown_fields_are_dropped_never_passed_on():
              b'"event":"hang_detected","ts":1,"rank":5,"cycle":9,"name":"n","extra":[1]}')
     assert protocol.decode(frame) == {"v": 1, "k": "diagnosis", "state": "X", "iteration": 3,
                                       "diagnostic": None}
+
+
+def test_a_config_reply_carries_no_path():
+    """Item 12: an agent never writes to a path received over the socket."""
+    frame = protocol.encode(protocol.CONFIG, ok=True, stack_file="/etc/shadow", stack_signal=12)
+    assert protocol.decode(frame) == {"v": 1, "k": "config", "ok": True, "stack_signal": 12}
 
 
 def test_encode_refuses_nan_and_unencodable_values():
