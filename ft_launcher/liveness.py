@@ -232,12 +232,17 @@ class Liveness:
     # -- the launcher's own clock --------------------------------------------------------
 
     def woke(self, planned: float, now: float) -> bool:
-        """Tell the model when the launcher woke versus when it meant to; True on a stall.
+        """Tell the model when the launcher woke versus when it meant to; True on a stall."""
+        return self.behind(now - planned, now)
 
-        A wake-up ``STALL_THRESHOLD_S`` late means the launcher itself did not run: every
-        rank's messages of that time are still queued, so verdicts wait until they are read.
+    def behind(self, seconds: float, now: float) -> bool:
+        """The launcher itself was ``seconds`` behind its ranks (it did not run, or it was
+        still reading a backlog); True when that counts as the launcher's stall.
+
+        Messages the ranks sent meanwhile may still be queued (or, past the sender's queue,
+        dropped and sent again at the next beat), so verdicts wait ``STALL_SETTLE_S``.
         """
-        if now - planned < STALL_THRESHOLD_S:
+        if seconds < STALL_THRESHOLD_S:
             return False
         self.hold_until = max(self.hold_until, now + STALL_SETTLE_S)
         return True

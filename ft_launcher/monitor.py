@@ -164,6 +164,11 @@ class Monitor:
         """The launcher woke at ``now`` for a wake-up planned at ``planned``; True on a stall."""
         return self.liveness.woke(planned, now)
 
+    def behind(self, seconds: float, now: float) -> bool:
+        """The launcher was ``seconds`` behind reading its socket; True when that holds
+        verdicts (see ``Liveness.behind``)."""
+        return self.liveness.behind(seconds, now)
+
     def next_deadline(self) -> float | None:
         return self.liveness.next_deadline()
 

@@ -43,7 +43,7 @@ SIGNAL_SETTLE_S = 0.2
 MESSAGE_BATCH_S = 0.05
 # A flood of messages is read in bounded batches; verdicts wait for the queue to empty, but
 # never longer than this (a flood cannot postpone a real hang for ever).
-MAX_JUDGE_DELAY_S = 2.0
+MAX_JUDGE_DELAY_S = 10.0
 
 
 class _Interrupted(Exception):
@@ -321,13 +321,17 @@ class Supervisor:
             poller.poll(timeout * 1000)
             now = time.monotonic()
             if self.monitor.woke(planned, now):
-                self.event("launcher_stalled", late_s=round(now - planned, 3))
+                self.event("launcher_stalled", late_s=round(now - planned, 3), cause="paused")
             self._drain_wakeups()
             # Read what is queued before judging anyone: a rank's own heartbeats may wait
             # behind a burst, or behind the launcher's stall.
             read, empty = self.monitor.drain(now)
             if read and self.monitor.all_connected():
                 batch_until = now + MESSAGE_BATCH_S
+            if empty and queued_since is not None and \
+                    self.monitor.behind(now - queued_since, now):
+                self.event("launcher_stalled", late_s=round(now - queued_since, 3),
+                           cause="backlog")
             queued_since = None if empty else (queued_since or now)
             may_judge = queued_since is None or now - queued_since > MAX_JUDGE_DELAY_S
             # Before exits: a rank_exit fault and the rank's own exit happen at the same time.

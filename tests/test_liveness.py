@@ -326,3 +326,13 @@ def test_a_valid_state_file_round_trips(tmp_path):
                            "rank_section_timeouts": {"step": 8.0}}}
     state, problems = state_from_json(json.loads(json.dumps(data)))
     assert problems == [] and state.to_json() == data
+
+
+def test_catching_up_on_a_backlog_counts_as_the_launchers_stall():
+    m = _model(rank_heartbeat_timeout=1.0)
+    m.heartbeat(0, T0, T0)
+    assert not m.behind(0.5, T0 + 0.5)  # a short backlog is not a stall
+    assert m.behind(1.5, T0 + 1.5)  # reading a long one: the rank may be behind it
+    assert m.check(T0 + 1.5) is None
+    m.heartbeat(0, T0 + 1.6, T0 + 1.6)  # its next beat, once the queue has room again
+    assert m.check(T0 + 1.5 + STALL_SETTLE_S) is None

@@ -80,6 +80,15 @@ elif MODE == "bad_messages":
         client.send_heartbeat()
     beat(client, 30)
     sock.close()
+elif MODE == "steady":  # heartbeats at 20 Hz for STEADY_S seconds, whatever happens
+    end = time.monotonic() + float(os.environ.get("STEADY_S", "12"))
+    while time.monotonic() < end:
+        time.sleep(0.05)
+        client.send_heartbeat()
+elif MODE == "burst":  # a burst far beyond any queue, then steady heartbeats again
+    for _ in range(200_000):
+        client.send_heartbeat()
+    beat(client, 60, every=0.05)
 elif MODE == "clean_long":
     beat(client, 150, every=0.04, section="step")
 else:
