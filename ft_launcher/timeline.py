@@ -120,7 +120,8 @@ def build_figure(events: list[dict[str, Any]], report: dict[str, Any]) -> Any:
                                text=f"cycle {c['cycle']}"
                                + (f" (attempt {a['attempt']})" if len(ledger["attempts"]) > 1
                                   else ""))
-    fig.add_trace(_ledger_table(go, ledger), row=1, col=2)
+    table = _ledger_table(go, ledger)
+    fig.add_trace(table, row=1, col=2)
     fig.update_yaxes(categoryorder="array", categoryarray=list(reversed(lanes)), type="category",
                      row=1, col=1)
     fig.update_xaxes(title_text="seconds since the launcher started", row=1, col=1)
@@ -128,9 +129,12 @@ def build_figure(events: list[dict[str, Any]], report: dict[str, Any]) -> Any:
     title = f"ft_launcher run {Path(str(report.get('run_dir', ''))).name}"
     if goodput is not None:
         title += f" — goodput {100 * goodput:.1f}%"
-    fig.update_layout(title={"text": html.escape(title)}, height=260 + 46 * len(lanes) + 160,
+    # Tall enough for the lanes and, up to a point, the whole ledger (beyond, it scrolls).
+    plot_h = max(46 * len(lanes) + 120, min(23 * len(table.cells.values[0]) + 60, 900))
+    fig.update_layout(title={"text": html.escape(title)}, height=plot_h + 240,
                       width=1500, template="plotly_white", hovermode="closest",
-                      legend={"orientation": "h", "y": -0.22, "x": 0}, margin={"t": 80})
+                      legend={"orientation": "h", "yanchor": "top", "y": -0.12, "x": 0},
+                      margin={"t": 80, "b": 40})
     return fig
 
 

@@ -48,7 +48,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "timeline.png")
     parser.add_argument("--width", type=int, default=1500)
-    parser.add_argument("--height", type=int, default=640)
+    parser.add_argument("--height", type=int, default=None,
+                        help="Window height [the figure's own height].")
     parser.add_argument("--keep-run-dir", action="store_true",
                         help="Keep the demo's run directory and page (printed at the end).")
     args = parser.parse_args()
@@ -71,6 +72,14 @@ def main() -> int:
     if report.returncode != 0:
         return report.returncode
     print(report.stdout[report.stdout.find("Goodput ledger"):])
+    if args.height is None:  # the page's own height: the whole figure, nothing more
+        from ft_launcher import report as ft_report
+        from ft_launcher import timeline
+        from ft_launcher.rundir import read_events
+
+        events = read_events(run_dir)
+        fig = timeline.build_figure(events, ft_report.build_report(run_dir, events))
+        args.height = int(fig.layout.height) + 20
     args.out.parent.mkdir(parents=True, exist_ok=True)
     shot = run_group([browser, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
                       f"--user-data-dir={work / 'profile'}", "--hide-scrollbars",
