@@ -91,6 +91,7 @@ from .rerun_state_machine import (
     get_rerun_state_machine,
     initialize_rerun_state_machine,
     remove_diagnosis_listener,
+    share_iterations_to_skip,
 )
 
 __all__ = [
@@ -116,4 +117,5 @@ __all__ = [
     "get_rerun_state_machine",
     "initialize_rerun_state_machine",
     "remove_diagnosis_listener",
+    "share_iterations_to_skip",
 ]

@@ -45,6 +45,40 @@ def snapshot(obj: Any) -> Any:
     return copy.deepcopy(obj)
 
 
+def scalar(value: Any) -> float:
+    """``float(value)``; a tensor is detached first (no autograd warning for a loss)."""
+    if isinstance(value, torch.Tensor):
+        value = value.detach()
+    return float(value)
+
+
+def same_batch(a: Any, b: Any) -> bool:
+    """Whether two microbatches hold the same data (tensors: same dtype, shape and values,
+    NaN equal to NaN); True when they cannot be compared, so only a proven difference
+    counts."""
+    try:
+        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+            if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+                return False
+            if a.dtype != b.dtype or a.shape != b.shape:
+                return False
+            a, b = a.detach().cpu(), b.detach().cpu()
+            if a.is_floating_point() or a.is_complex():
+                nan_a, nan_b = a.isnan(), b.isnan()
+                zero = torch.zeros((), dtype=a.dtype)
+                return bool(torch.equal(nan_a, nan_b)) and bool(
+                    torch.equal(torch.where(nan_a, zero, a), torch.where(nan_b, zero, b))
+                )
+            return bool(torch.equal(a, b))
+        if isinstance(a, dict) and isinstance(b, dict):
+            return a.keys() == b.keys() and all(same_batch(a[k], b[k]) for k in a)
+        if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+            return len(a) == len(b) and all(same_batch(x, y) for x, y in zip(a, b, strict=True))
+        return bool(a == b)
+    except Exception:  # exotic batch types: no proof of a difference
+        return True
+
+
 class RerunDataIterator:
     """Wrap a data iterator so the machine can replay the microbatches of the current step.
 
@@ -285,7 +319,7 @@ def compare_floats(a: Any, b: Any) -> float:
     one is NaN or they are unequal infinities, else the symmetric relative difference
     ``2|a-b| / (|a|+|b|)``, which is finite for ``a == -b`` (it is 2).
     """
-    af, bf = float(a), float(b)
+    af, bf = scalar(a), scalar(b)
     if af == bf or (math.isnan(af) and math.isnan(bf)):
         return COMPARISON_MATCH
     if math.isnan(af) or math.isnan(bf) or math.isinf(af) or math.isinf(bf):

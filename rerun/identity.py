@@ -44,6 +44,21 @@ def _cuda_device_identity() -> str | None:
     return f"cuda:{index}"
 
 
+def current_device_index() -> int:
+    """The device index as Megatron-Core reports it (``torch.cuda.current_device()``).
+
+    Without an initialised CUDA device: ``FT_DEVICE_ID``, else ``LOCAL_RANK``, else 0 (a
+    value that is not a small non-negative integer counts as 0).
+    """
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return int(torch.cuda.current_device())
+    for name in ("FT_DEVICE_ID", "LOCAL_RANK"):
+        value = os.environ.get(name, "").strip()
+        if value:
+            return int(value) if value.isdigit() and len(value) < 7 else 0
+    return 0
+
+
 def current_device_identity() -> tuple[str, str]:
     """Return ``(host, device)`` for the device this process computes on.
 

@@ -11,6 +11,7 @@ codes, and for where this machine deliberately differs from Megatron-Core 0.16.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import random
 from collections import defaultdict
@@ -27,10 +28,12 @@ from .components import (
     RerunErrorInjector,
     SerializableStateType,
     compare_floats,
+    same_batch,
+    scalar,
     snapshot,
 )
 from .events import add_diagnosis_listener, emit, remove_diagnosis_listener
-from .identity import current_device_identity, current_rank
+from .identity import current_device_identity, current_device_index, current_rank
 from .types import (
     COMPARISON_MATCH,
     COMPARISON_MISMATCH,
@@ -72,6 +75,7 @@ __all__ = [
     "get_rerun_state_machine",
     "initialize_rerun_state_machine",
     "remove_diagnosis_listener",
+    "share_iterations_to_skip",
 ]
 
 logger = logging.getLogger("rerun")
@@ -80,7 +84,10 @@ DataIteratorArgType = RerunDataIterator | list[RerunDataIterator] | None
 
 #: Identifies our state dicts; bumped whenever their layout changes.
 STATE_DICT_FORMAT = "ft-launcher.rerun"
-STATE_DICT_VERSION = 1
+STATE_DICT_VERSION = 2
+
+#: Key of the per-rank part when Megatron's distributed checkpoint stores it.
+SHARDED_KEY = "ft_rerun_state_machine_state"
 
 _GLOBAL_RERUN_STATE_MACHINE: RerunStateMachine | None = None
 
@@ -156,6 +163,9 @@ class RerunStateMachine:
         self.mode: RerunMode = _as_mode(mode)
         self.state: RerunState = RerunState.NOT_RUNNING_YET
         self.current_iteration: int = 0
+        #: True once a step has gone through should_checkpoint_and_exit (Megatron's name);
+        #: informative only: the first step is validated too.
+        self.first_iteration_complete: bool = False
         self.state_save_func = state_save_func
         self.state_restore_func = state_restore_func
         self.error_injector: RerunErrorInjector = error_injector or RerunErrorInjector()
@@ -173,6 +183,10 @@ class RerunStateMachine:
         self.stats: dict[str, QuickStats] = defaultdict(QuickStats)
         self.last_stats_report: dict[str, str] = {}
         self.logged_sdc_enabled: bool = False
+        # Microbatches the checkpoint says the resumed step read in the first job, to check
+        # that the loader resumed at the step's first sample.
+        self._expected_microbatches: list[list[Any]] | None = None
+        self._resume_checked: bool = False
         self._reset_step()
         logger.warning("rerun state machine initialised in mode %s", self.mode.name)
 
@@ -205,7 +219,12 @@ class RerunStateMachine:
             # then should_checkpoint_and_exit(), then optimizer.step()
 
         A skipped step must still pass through this loop (e.g. one that only drains the data
-        iterator) so the machine knows the step went by.
+        iterator, like Megatron-LM's ``dummy_train_step``) so the machine knows the step went
+        by and the loader moves past the skipped samples.
+
+        The data iterator must resume where the loop's checkpoint says (Megatron-LM: at the
+        consumed-samples count of the completed steps): a step re-run from a checkpoint reads
+        its microbatches from it, and they are checked against those the checkpoint recorded.
         """
         if self.mode == RerunMode.DISABLED:
             return self._disabled_pass(data_iterator)
@@ -217,6 +236,9 @@ class RerunStateMachine:
                 f"with code {self._exit_code}; call should_checkpoint_and_exit() after the loop "
                 "and exit with the code it returns"
             )
+        if not self._resume_checked:
+            self._resume_checked = True
+            self._check_resume_agreement()
         handlers = {
             RerunState.NOT_RUNNING_YET: self._start_step,
             RerunState.INITIAL_RUN: self._end_initial_run,
@@ -233,6 +255,7 @@ class RerunStateMachine:
         step; save the checkpoint (with this machine's ``state_dict``) when asked, then
         ``sys.exit(exit_code)`` when asked.
         """
+        self.first_iteration_complete = True
         if self.mode != RerunMode.VALIDATE_RESULTS or self._exit_code is None:
             return False, False, 0
         checkpoint, code, what = _EXIT_ACTIONS[self.state]
@@ -308,7 +331,8 @@ class RerunStateMachine:
             threshold: the factor, e.g. 10.
             context: names the tracked value ("loss", "grad norm").
             num_samples: how many first values set the reference maximum.
-            resample: start collecting the reference again.
+            resample: start counting the first values again; the maximum seen so far is
+                kept (as in Megatron-Core), so the reference never drops.
 
         NaN and infinity return False: check them with their own validation. Use it with
         ``functools.partial(machine.is_unexpectedly_large, threshold=10, context="loss")``.
@@ -317,15 +341,14 @@ class RerunStateMachine:
             raise ValueError(
                 f"threshold must be > 0 and num_samples >= 1, got {threshold!r}, {num_samples!r}"
             )
-        value = abs(float(result))
+        value = abs(scalar(result))
         if value != value or value == float("inf"):
             return False
         if resample or context not in self.large_value_counts:
             self.large_value_counts[context] = 0
-            self.max_values[context] = 0.0
         if self.large_value_counts[context] < num_samples:
             self.large_value_counts[context] += 1
-            self.max_values[context] = max(self.max_values[context], value)
+            self.max_values[context] = max(self.max_values.get(context, 0.0), value)
             if self.large_value_counts[context] == num_samples:
                 logger.info("reference maximum of %s: %g", context, self.max_values[context])
             return False
@@ -338,25 +361,27 @@ class RerunStateMachine:
         """What the checkpoint must hold to continue the diagnosis after a restart.
 
         Args:
-            data_iterator: the iterators whose replay buffers to save, or None to save none.
-                Saved buffers are replayed by the resumed job, so its wrapped loader must be
-                restored to where it was when this checkpoint was taken (after the step's
-                microbatches). A loader that restarts at the step's first sample must not
-                save them: pass None.
-            ckpt_format: accepted for compatibility; the dict is plain per-rank Python data
-                (loadable with ``torch.load(weights_only=True)``) whatever the format.
-            force: also return a dict between steps (it then carries the step counter).
+            data_iterator: the iterators of the step; their microbatches are recorded so the
+                resumed job can check its loader gives the same ones (it reads them from its
+                loader, resumed at the step's first sample, as in Megatron-LM).
+            ckpt_format: with ``"torch_dist"`` and Megatron-Core importable, the per-rank
+                part (``"sharded"``) is a Megatron ``ShardedObject``, so Megatron's
+                distributed checkpoint stores every rank's own copy; otherwise it is plain
+                per-rank data (``torch.load(weights_only=True)`` reads it): save it per rank.
+            force: also return a dict between steps (Megatron builds its load template so).
 
-        Returns None between steps unless ``force``; raises RuntimeError in the middle of a
-        step's pass, where no consistent state exists.
+        Returns None between steps (unless ``force``, or ``"torch_dist"`` outside DISABLED
+        mode, where Megatron-Core keeps the checkpoint's structure constant); raises
+        RuntimeError in the middle of a step's pass, where no consistent state exists.
         """
-        del ckpt_format  # every format gets the same per-rank dict
-        if self.state == RerunState.NOT_RUNNING_YET and not force:
-            return None
+        between_steps = self.state == RerunState.NOT_RUNNING_YET
+        if between_steps and not force:
+            if ckpt_format != "torch_dist" or self.mode == RerunMode.DISABLED:
+                return None
         if self._pass_in_progress():
             raise RuntimeError(f"cannot checkpoint the rerun state during a pass ({self.state})")
         iterators = [] if data_iterator is None else _sanitize_data_iterators(data_iterator)
-        call = self.failed_validation_call
+        buffers = None if between_steps else [d.state_dict() for d in iterators] or None
         world = (
             torch.distributed.get_world_size()
             if torch.distributed.is_available() and torch.distributed.is_initialized()
@@ -368,53 +393,79 @@ class RerunStateMachine:
             "mode": self.mode.value,
             "state": self.state.name,
             "current_iteration": self.current_iteration,
-            "rank": current_rank(),
             "world_size": world,
-            "sharded": {
-                "error_injector_checkpoint": self.error_injector.state_dict(),
-                "failed_validation_call": (
-                    None if call is None else [call.caller.message, call.caller.rank, call.sequence]
-                ),
-                "initial_result": self.initial_result,
-                "failed_fatal": self.failed_fatal,
-                "suspicious_node": self.suspicious_node,
-                "suspicious_device": self.suspicious_device,
-                "data_iterator_checkpoints": [d.state_dict() for d in iterators] or None,
-                "large_value_counts": dict(self.large_value_counts),
-                "max_values": dict(self.max_values),
-            },
+            "sharded": _maybe_sharded(self._rank_state(buffers), ckpt_format, world),
+        }
+
+    def _rank_state(self, buffers: list[SerializableStateType] | None) -> dict[str, Any]:
+        """This rank's part of the state dict (it differs between ranks)."""
+        call = self.failed_validation_call
+        return {
+            "rank": current_rank(),
+            "rerun_requested": self.rerun_requested,
+            "checkpoint_requested": self.checkpoint_requested,
+            "restart_again_requested": self.restart_again_requested,
+            "continue_requested": self.continue_requested,
+            "fail_requested": self.fail_requested,
+            "error_injector_checkpoint": self.error_injector.state_dict(),
+            "failed_validation_call": (
+                None if call is None else [call.caller.message, call.caller.rank, call.sequence]
+            ),
+            "initial_result": self.initial_result,
+            "failed_fatal": self.failed_fatal,
+            "suspicious_node": self.suspicious_node,
+            "suspicious_device": self.suspicious_device,
+            "suspicious_device_identity": self.suspicious_device_identity,
+            "data_iterator_checkpoints": buffers,
+            "large_value_counts": dict(self.large_value_counts),
+            "max_values": dict(self.max_values),
         }
 
     def validate_state_dict(self, state_dict: dict[str, Any] | None) -> bool:
-        """True when ``state_dict`` holds a step to resume; False for None or a dict saved
-        between steps; ValueError for a dict from another version or another program."""
-        if state_dict is None:
+        """True when ``state_dict`` holds a step to resume; never raises.
+
+        False for None, an empty dict, a dict saved between steps (NOT_RUNNING_YET) and any
+        dict this version did not write (one from Megatron-Core or an older format: the
+        machine then starts fresh, with one warning).
+        """
+        if not isinstance(state_dict, dict) or not state_dict:
             return False
-        _check_format(state_dict)
+        problem = _format_problem(state_dict)
+        if problem is not None:
+            if _state_name(state_dict.get("state")) != RerunState.NOT_RUNNING_YET.name:
+                logger.warning("rerun state in the checkpoint ignored, starting fresh: %s", problem)
+            return False
         return state_dict["state"] != RerunState.NOT_RUNNING_YET.name
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a ``state_dict`` (ValueError when it is not one this version wrote).
+        """Restore a ``state_dict`` (ValueError when it is not one this version wrote, or
+        when it was saved by another rank or with another world size).
 
         A pending diagnosis (exit 16) is resumed: the next step re-runs the suspicious step.
         A final verdict (exit 17) resumes plain training from that step's start.
         """
-        _check_format(state_dict)
-        _check_topology(state_dict)
+        problem = _format_problem(state_dict)
+        if problem is not None:
+            raise ValueError(problem)
         if self.mode == RerunMode.DISABLED:
             logger.warning("rerun state machine disabled: ignoring its state in the checkpoint")
             return
         try:
-            self._load_fields(state_dict)
-        except (KeyError, TypeError, ValueError) as exc:
+            sharded = _unwrap_sharded(state_dict["sharded"])
+            _check_topology(state_dict, sharded)
+            self._load_fields(state_dict, sharded)
+        except (KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"malformed rerun state dict: {exc!r}") from exc
 
     @classmethod
     def get_skipped_iterations_from_tracker_file(cls, tracker_file_name: str) -> list[int]:
-        """The 1-based steps rejected reproducibly at least twice on the same rank.
+        """The 1-based steps rejected reproducibly at least twice on the same rank, except
+        those more than one rank reported in one job (Megatron-Core's rule).
 
         A resubmitted job skips step ``n`` when ``n`` is in this list, ``n`` counting from 1
-        (the step about to run is the number of completed steps plus one).
+        (Megatron-LM: ``if iteration + 1 in iterations_to_skip``, ``iteration`` being the
+        completed steps). Reads JSON lines and Megatron's ``key=value`` lines. Every rank must
+        skip the same steps: pass the result through ``share_iterations_to_skip``.
         """
         return tracker.skipped_iterations(tracker_file_name)
 
@@ -431,7 +482,10 @@ class RerunStateMachine:
         self.initial_result: Any = None
         self.failed_fatal: bool = True
         self.suspicious_node: str | None = None
-        self.suspicious_device: str | None = None
+        # Megatron's type: the device index. The identity (GPU UUID or FT_DEVICE_ID) is what
+        # is compared, since the launcher may renumber devices between jobs.
+        self.suspicious_device: int | None = None
+        self.suspicious_device_identity: str | None = None
         self._verdict: _Verdict | None = None
         self._exit_code: int | None = None
         self._pending_step: int | None = None
@@ -469,10 +523,10 @@ class RerunStateMachine:
         return True
 
     def _end_initial_run(self, iterators: list[RerunDataIterator]) -> bool:
-        if self.mode == RerunMode.REPORT_DETERMINISM_STATS:
-            rerun = True  # every step, on every rank: no collective needed to agree
-        else:
-            rerun = self._reduce_any(self.rerun_requested)
+        self._check_resumed_input(iterators)
+        # Both modes, as Megatron-Core: re-run when any rank validated (REPORT_DETERMINISM_STATS)
+        # or rejected (VALIDATE_RESULTS) something; a step without validation runs once.
+        rerun = self._reduce_any(self.rerun_requested)
         if not rerun:
             self.state = RerunState.NOT_RUNNING_YET
             return False
@@ -491,14 +545,18 @@ class RerunStateMachine:
             self.saved_results = {}
             return False
         if self.failed_validation_call is not None and self._verdict is None:
-            # The re-run never reached the rejected check: it cannot be reproduced here.
-            self._judge_in_place(
-                False,
+            # The re-run never reached the rejected check: nothing was compared, so there is
+            # no verdict and no tracker record (as in Megatron-Core); a fatal check still
+            # stops the job.
+            fatal = self.failed_fatal
+            self._verdict = _Verdict(
                 None,
-                self.failed_validation_call.caller.message,
-                self.failed_fatal,
-                reached=False,
+                f"{self.failed_validation_call.caller.message}: the re-run did not reach the "
+                "rejected check; no verdict" + ("" if fatal else ", continuing"),
+                fatal,
             )
+            self.fail_requested = fatal
+            self.continue_requested = not fatal
         checkpoint, fail = self._reduce_any([self.checkpoint_requested, self.fail_requested])
         if checkpoint:
             self.state, self._exit_code = (
@@ -531,6 +589,7 @@ class RerunStateMachine:
         return True
 
     def _end_rerun_from_checkpoint(self, iterators: list[RerunDataIterator]) -> bool:
+        self._check_resumed_input(iterators)
         unresolved = self.failed_validation_call is not None and self._verdict is None
         again, fail = self._reduce_any([self.restart_again_requested, self.fail_requested])
         if again:
@@ -615,15 +674,11 @@ class RerunStateMachine:
             return False
         return difference <= tolerance
 
-    def _judge_in_place(
-        self, reproduced: bool, result: Any, message: str, fatal: bool, reached: bool = True
-    ) -> None:
+    def _judge_in_place(self, reproduced: bool, result: Any, message: str, fatal: bool) -> None:
         if not reproduced:
             status = RerunValidationStatus.FIRST_RERUN_NOT_REPRODUCIBLE
             how = (
-                "the re-run did not reach the check"
-                if not reached
-                else f"not reproduced on the same device ({_short(result)} vs "
+                f"not reproduced on the same device ({_short(result)} vs "
                 f"{_short(self.initial_result)})"
             )
             self._verdict = _Verdict(RerunDiagnostic.TRANSIENT_ERROR, f"{message}: {how}", fatal)
@@ -631,7 +686,8 @@ class RerunStateMachine:
             self.continue_requested = not fatal
         else:
             status = RerunValidationStatus.FIRST_RERUN_REPRODUCIBLE
-            self.suspicious_node, self.suspicious_device = current_device_identity()
+            self.suspicious_node, self.suspicious_device_identity = current_device_identity()
+            self.suspicious_device = current_device_index()
             need = "needs a re-run on another device" if fatal else "not fatal, continuing"
             self._verdict = _Verdict(
                 None, f"{message}: reproduced on the same device ({_short(result)}); {need}", fatal
@@ -644,7 +700,7 @@ class RerunStateMachine:
         self, reproduced: bool, result: Any, message: str, fatal: bool
     ) -> None:
         here = current_device_identity()
-        if here == (self.suspicious_node, self.suspicious_device):
+        if here == (self.suspicious_node, self.suspicious_device_identity):
             self._verdict = _Verdict(
                 None,
                 f"{message}: resumed on the suspicious device {here[0]}/{here[1]} again; "
@@ -709,7 +765,7 @@ class RerunStateMachine:
             "device": device,
             "rank": current_rank(),
             "suspicious_host": self.suspicious_node,
-            "suspicious_device": self.suspicious_device,
+            "suspicious_device": self.suspicious_device_identity,
         }
 
     def _validate_disabled(
@@ -733,6 +789,7 @@ class RerunStateMachine:
         """REPORT_DETERMINISM_STATS: keep the first value, measure the re-run's against it."""
         if self.state == RerunState.INITIAL_RUN:
             self.saved_results[call] = snapshot(result)
+            self.rerun_requested = True
             return
         if call not in self.saved_results:
             raise RuntimeError(
@@ -791,16 +848,18 @@ class RerunStateMachine:
         """Logical OR across the world when torch.distributed is initialised."""
         values = value if isinstance(value, list) else [value]
         if torch.distributed.is_available() and torch.distributed.is_initialized():
-            backend = str(torch.distributed.get_backend())
-            # gloo reduces CPU tensors; NCCL only CUDA ones.
-            device = "cpu" if "gloo" in backend or not torch.cuda.is_available() else "cuda"
-            flags = torch.tensor([int(v) for v in values], dtype=torch.int32, device=device)
+            flags = torch.tensor(
+                [int(v) for v in values], dtype=torch.int32, device=_collective_device()
+            )
             torch.distributed.all_reduce(flags)
             values = [x > 0 for x in flags.tolist()]
         return values if isinstance(value, list) else values[0]
 
     def _prepare_iterators(self, iterators: list[RerunDataIterator]) -> None:
-        """Start a step's buffers: the checkpointed ones if any, else empty and recording."""
+        """Start a step's buffers, empty and recording. Microbatches a checkpoint recorded
+        for this step are kept aside to check the loader against, never replayed: the loop
+        resumes its loader at the step's first sample (Megatron-LM: consumed samples), so a
+        replay would train those samples twice."""
         pending, self.data_iterator_checkpoints = self.data_iterator_checkpoints, None
         if pending is not None:
             if len(pending) != len(iterators):
@@ -808,13 +867,72 @@ class RerunStateMachine:
                     f"the checkpoint holds {len(pending)} data iterator states but "
                     f"{len(iterators)} data iterators were passed"
                 )
-            for d, state in zip(iterators, pending, strict=True):
-                d.load_state_dict(state)
-                d.rewind()
-            return
+            self._expected_microbatches = [
+                list((state or {}).get("saved_microbatches") or []) for state in pending
+            ]
         for d in iterators:
             d.advance()
             d._recording = True
+
+    def _check_resumed_input(self, iterators: list[RerunDataIterator]) -> None:
+        """After the first pass of a resumed step: did the loader give the microbatches the
+        checkpoint recorded? If not, it did not resume at the step's first sample, and a
+        verdict would compare results of different inputs: say so loudly."""
+        expected, self._expected_microbatches = self._expected_microbatches, None
+        if not expected:
+            return
+        for index, (d, saved) in enumerate(zip(iterators, expected, strict=True)):
+            read = d.saved_microbatches
+            if not saved:
+                continue
+            if len(read) != len(saved) or not all(
+                same_batch(a, b) for a, b in zip(read, saved, strict=False)
+            ):
+                text = (
+                    f"step {self.current_iteration}: data iterator {index} gave other "
+                    f"microbatches ({len(read)}) than the first run of the step recorded "
+                    f"({len(saved)}): resume the loader at the step's first sample (the "
+                    "consumed samples of the completed steps); a verdict now compares "
+                    "different inputs"
+                )
+                logger.error(text)
+                if self._verdict is not None:
+                    self._verdict.message += " (WARNING: the re-run read other input)"
+                emit(self._event(None, text, None, False))
+                return
+
+    def _check_resume_agreement(self) -> None:
+        """First step of a job: every rank must resume the same diagnosis or none.
+
+        A rank whose per-rank state was not restored (a checkpoint written by rank 0 only,
+        or another rank's state refused) would otherwise run a plain step while the others
+        re-run, and their collectives would not match. One all-reduce, once per job.
+        """
+        if self.mode == RerunMode.DISABLED:
+            return
+        pending = self.state == RerunState.WILL_RERUN_FROM_CHECKPOINT
+        some, not_all = self._reduce_any([pending, not pending])
+        if not (some and not_all) or not pending:
+            if some and not_all:
+                logger.error(
+                    "rank %s: other ranks resumed a pending rerun diagnosis this rank did not "
+                    "restore; all ranks drop it",
+                    current_rank(),
+                )
+            return
+        logger.error(
+            "step %d rank %s: the pending rerun diagnosis was not restored on every rank "
+            "(save the rerun state per rank: ckpt_format='torch_dist' with Megatron-Core, or "
+            "one file per rank); dropped, the step runs as a plain step",
+            self._pending_step or self.current_iteration,
+            current_rank(),
+        )
+        step = self._pending_step or self.current_iteration
+        self._reset_step()
+        self._expected_microbatches = None
+        self.data_iterator_checkpoints = None
+        self.current_iteration = step - 1
+        self.state = RerunState.NOT_RUNNING_YET
 
     def _rewind(self, iterators: list[RerunDataIterator]) -> None:
         self._restore_state()
@@ -844,15 +962,22 @@ class RerunStateMachine:
         if saved["other"] is not None and self.state_restore_func is not None:
             self.state_restore_func(saved["other"])
 
-    def _load_fields(self, state_dict: dict[str, Any]) -> None:
+    def _load_fields(self, state_dict: dict[str, Any], sharded: dict[str, Any]) -> None:
         saved_state = RerunState[state_dict["state"]]
-        sharded = state_dict["sharded"]
         self._reset_step()
         self.current_iteration = int(state_dict["current_iteration"])
         self.error_injector.load_state_dict(sharded["error_injector_checkpoint"])
         self.large_value_counts = dict(sharded["large_value_counts"])
         self.max_values = dict(sharded["max_values"])
         self.data_iterator_checkpoints = sharded["data_iterator_checkpoints"]
+        for flag in (
+            "rerun_requested",
+            "checkpoint_requested",
+            "restart_again_requested",
+            "continue_requested",
+            "fail_requested",
+        ):
+            setattr(self, flag, bool(sharded.get(flag, False)))
         if saved_state == RerunState.NOT_RUNNING_YET:
             self.state = saved_state
             logger.info("rerun state loaded: %d steps done", self.current_iteration)
@@ -867,7 +992,9 @@ class RerunStateMachine:
             self.initial_result = sharded["initial_result"]
             self.failed_fatal = bool(sharded["failed_fatal"])
             self.suspicious_node = sharded["suspicious_node"]
-            self.suspicious_device = sharded["suspicious_device"]
+            device = sharded["suspicious_device"]
+            self.suspicious_device = None if device is None else int(device)
+            self.suspicious_device_identity = sharded["suspicious_device_identity"]
             self._pending_step = self.current_iteration
             # A diagnosis in flight can only be finished by validating.
             self.mode = RerunMode.VALIDATE_RESULTS
@@ -898,7 +1025,7 @@ def _short(value: Any) -> str:
     """A compact text form of a result for log lines."""
     try:
         if hasattr(value, "numel") and value.numel() == 1:
-            return f"{float(value):.6g}"
+            return f"{scalar(value):.6g}"
     except Exception:  # exotic result: fall back to repr
         pass
     return repr(value)[:80]
@@ -917,25 +1044,64 @@ def _sanitize_data_iterators(data_iterator: DataIteratorArgType) -> list[RerunDa
     return items
 
 
-def _check_format(state_dict: Any) -> None:
+def _state_name(state: Any) -> str | None:
+    """A state as saved by us (its name) or by Megatron-Core (its enum) -> its name."""
+    return getattr(state, "name", state) if state is not None else None
+
+
+def _format_problem(state_dict: Any) -> str | None:
+    """Why ``state_dict`` is not one this version wrote, or None if it is."""
     if not isinstance(state_dict, dict):
-        raise ValueError(f"rerun state dict must be a dict, got {type(state_dict).__name__}")
+        return f"rerun state dict must be a dict, got {type(state_dict).__name__}"
     fmt, version = state_dict.get("format"), state_dict.get("version")
     if fmt != STATE_DICT_FORMAT:
         hint = " (it looks like Megatron-Core's)" if "sharded" in state_dict else ""
-        raise ValueError(f"not a {STATE_DICT_FORMAT} state dict{hint}: format={fmt!r}")
+        return f"not a {STATE_DICT_FORMAT} state dict{hint}: format={fmt!r}"
     if version != STATE_DICT_VERSION:
-        raise ValueError(
-            f"rerun state dict version {version!r} is not supported (expected {STATE_DICT_VERSION})"
+        return (
+            f"rerun state dict version {version!r} is not supported "
+            f"(expected {STATE_DICT_VERSION})"
         )
     if state_dict.get("state") not in RerunState.__members__:
-        raise ValueError(f"rerun state dict holds unknown state {state_dict.get('state')!r}")
+        return f"rerun state dict holds unknown state {state_dict.get('state')!r}"
+    return None
 
 
-def _check_topology(state_dict: dict[str, Any]) -> None:
+def _sharded_object_class() -> Any:
+    """Megatron-Core's ShardedObject when Megatron-Core is importable, else None."""
+    try:
+        if importlib.util.find_spec("megatron.core") is None:
+            return None
+        from megatron.core.dist_checkpointing.mapping import ShardedObject
+    except Exception:  # not installed, or broken: plain per-rank data then
+        return None
+    return ShardedObject
+
+
+def _maybe_sharded(part: dict[str, Any], ckpt_format: str, world: int | None) -> Any:
+    """Wrap the per-rank part for Megatron's distributed checkpoint (``torch_dist``): one
+    shard per rank, so each rank stores and loads its own copy."""
+    if ckpt_format != "torch_dist":
+        return part
+    sharded_object = _sharded_object_class()
+    if sharded_object is None:
+        return part
+    rank = current_rank() or 0
+    return sharded_object(SHARDED_KEY, part, (world or 1,), (rank,))
+
+
+def _unwrap_sharded(sharded: Any) -> dict[str, Any]:
+    """The per-rank dict, also when still wrapped in a ShardedObject (loaded in-process)."""
+    data = getattr(sharded, "data", sharded) if hasattr(sharded, "global_offset") else sharded
+    if not isinstance(data, dict):
+        raise ValueError(f"malformed rerun state dict: per-rank part is {type(data).__name__}")
+    return data
+
+
+def _check_topology(state_dict: dict[str, Any], sharded: dict[str, Any]) -> None:
     """A per-rank state loaded by another rank would attribute another rank's result."""
-    rank, saved_rank = current_rank(), state_dict.get("rank")
-    if rank is not None and saved_rank is not None and rank != saved_rank:
+    rank, saved_rank = current_rank(), sharded.get("rank")
+    if saved_rank is not None and (rank or 0) != saved_rank:
         raise ValueError(f"rerun state dict was saved by rank {saved_rank}, loaded by {rank}")
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         world, saved_world = torch.distributed.get_world_size(), state_dict.get("world_size")
@@ -943,6 +1109,44 @@ def _check_topology(state_dict: dict[str, Any]) -> None:
             raise ValueError(
                 f"rerun state dict was saved with world size {saved_world}, loaded with {world}"
             )
+
+
+def _collective_device() -> str:
+    """Where a collective's tensor must live: gloo reduces CPU tensors, NCCL CUDA ones."""
+    backend = str(torch.distributed.get_backend())
+    return "cpu" if "gloo" in backend or not torch.cuda.is_available() else "cuda"
+
+
+def share_iterations_to_skip(iterations: list[int], src: int = 0) -> list[int]:
+    """Rank ``src``'s list of steps to skip, on every rank (sorted, without duplicates).
+
+    Ranks that each read the tracker file can disagree (a node with a stale view of a shared
+    file, a line appended between two reads), and ranks that skip different steps run
+    mismatched collectives. Call it on every rank once torch.distributed is initialised;
+    without it, it returns the sorted list unchanged. In Megatron-LM, one line at the start
+    of ``train()``::
+
+        args.iterations_to_skip = rerun_state_machine.share_iterations_to_skip(
+            args.iterations_to_skip)
+
+    Tensors, not ``broadcast_object_list``: no pickle crosses the wire.
+    """
+    steps = sorted({int(i) for i in iterations})
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return steps
+    device = _collective_device()
+    count = torch.tensor([len(steps)], dtype=torch.long, device=device)
+    torch.distributed.broadcast(count, src=src)
+    mine = steps if torch.distributed.get_rank() == src else [0] * int(count.item())
+    values = torch.tensor(mine, dtype=torch.long, device=device)
+    if int(count.item()) > 0:
+        torch.distributed.broadcast(values, src=src)
+    shared = [int(v) for v in values.tolist()]
+    if shared != steps:
+        logger.warning(
+            "rank %s: steps to skip %s replaced by rank %d's %s", current_rank(), steps, src, shared
+        )
+    return shared
 
 
 # ============================================================================ singleton

@@ -9,6 +9,7 @@ import logging
 import math
 import pickle
 import random
+import warnings
 from functools import partial
 
 import numpy as np
@@ -134,7 +135,7 @@ def test_disabled_runs_once_and_does_nothing_else():
     assert calls == []  # no state saved
     assert data.saved_microbatches == [] and not data._recording  # nothing buffered
     assert machine.should_checkpoint_and_exit() == (False, False, 0)
-    assert machine.state_dict(data, "torch_dist") is None
+    assert machine.state_dict(data, "torch") is None
 
 
 def test_disabled_still_checks_results(caplog):
@@ -203,8 +204,10 @@ def test_reproducible_then_resume_elsewhere_persistent_and_correct(monkeypatch):
     assert len(seen) == 2 and seen[0][0] == seen[1][0] == 1.0
     assert machine.state == RerunState.WILL_RERUN_FROM_CHECKPOINT
     assert machine.should_checkpoint_and_exit() == (True, True, 16)
-    state = roundtrip(machine.state_dict(data, "torch_dist"))
-    assert state["sharded"]["suspicious_device"] == "3"
+    state = roundtrip(machine.state_dict(data, "torch"))
+    assert state["sharded"]["suspicious_device"] == 3  # Megatron's type: the index
+    assert state["sharded"]["suspicious_device_identity"] == "3"
+    assert type(machine.suspicious_device) is int
     assert machine.validate_state_dict(state)
 
     def resume(device, value_of_pass):
@@ -213,13 +216,14 @@ def test_reproducible_then_resume_elsewhere_persistent_and_correct(monkeypatch):
         fresh = RerunStateMachine(mode=RerunMode.VALIDATE_RESULTS)
         fresh.load_state_dict(state)
         fresh.current_iteration = 1  # the loop's own count of completed steps
-        resumed = RerunDataIterator(iter([torch.full((2,), 99.0)]))  # after the step
+        # The loader resumes at the step's first sample (Megatron's consumed samples).
+        resumed = RerunDataIterator(iter([torch.full((2,), 1.0), torch.full((2,), 99.0)]))
         seen = run_step(fresh, resumed, value_of_pass)
         rerun.remove_diagnosis_listener(events.append)
         return fresh, seen, events, resumed
 
     fresh, seen, events, _ = resume("3", always_nan)
-    assert [s[0] for s in seen] == [1.0]  # the checkpointed buffer was replayed
+    assert [s[0] for s in seen] == [1.0]  # the step's sample, read from the loader once
     assert fresh.should_checkpoint_and_exit() == (False, True, 16)
     assert fresh.state == RerunState.RERUNNING_AGAIN_FROM_CHECKPOINT
 
@@ -228,7 +232,7 @@ def test_reproducible_then_resume_elsewhere_persistent_and_correct(monkeypatch):
     assert [(e["iteration"], e["diagnostic"]) for e in events] == [(2, "PERSISTENT_ERROR")]
     assert events[0]["suspicious_device"] == "3" and events[0]["device"] == "4"
 
-    # The re-run read only the replayed buffer, nothing from the wrapped iterator.
+    # The re-run read the step's sample and nothing more: the next step reads the next one.
     assert float(next(resumed.iterable)[0]) == 99.0
     fresh, seen, events, _ = resume("4", always_nan)
     assert fresh.should_checkpoint_and_exit() == (False, True, 17)
@@ -241,7 +245,7 @@ def test_skipped_pending_step_resumes_training_instead_of_exit_17(monkeypatch):
     data = batches()
     run_step(machine, data, always_nan)
     machine.should_checkpoint_and_exit()
-    state = machine.state_dict(data, "torch_dist")
+    state = machine.state_dict(data, "torch")
     monkeypatch.setenv("FT_DEVICE_ID", "1")
     events = listen()
     fresh = RerunStateMachine(mode=V)
@@ -264,27 +268,34 @@ def test_checkpoint_after_transient_exit_17_resumes_as_plain_step():
     run_step(machine, data, fine)
     run_step(machine, data, nan_on_first)
     assert machine.should_checkpoint_and_exit() == (True, True, 17)
-    state = roundtrip(machine.state_dict(data, "torch_dist"))
+    state = roundtrip(machine.state_dict(data, "torch"))
     assert machine.validate_state_dict(state)
     fresh = RerunStateMachine(mode=V)
     fresh.load_state_dict(state)
     assert fresh.current_iteration == 1 and fresh.state == RerunState.NOT_RUNNING_YET
-    resumed = RerunDataIterator(iter([torch.full((2,), 7.0)]))
+    resumed = RerunDataIterator(iter([torch.full((2,), 1.0), torch.full((2,), 7.0)]))
     seen = run_step(fresh, resumed, fine)
-    assert [s[0] for s in seen] == [1.0]  # step 2's batch, replayed from the checkpoint
+    assert [s[0] for s in seen] == [1.0]  # step 2's batch, from the resumed loader
     assert fresh.current_iteration == 2
     assert [s[0] for s in run_step(fresh, resumed, fine)] == [7.0]
 
 
-def test_failed_check_not_reached_in_rerun_is_not_reproducible():
-    machine = RerunStateMachine(mode=V)
+@pytest.mark.parametrize("fatal, exit_", [(True, (True, True, 17)), (False, (False, False, 0))])
+def test_failed_check_not_reached_in_rerun_gives_no_verdict(tmp_path, fatal, exit_):
+    events = listen()
+    path = tmp_path / "tracker.jsonl"
+    machine = RerunStateMachine(mode=V, result_rejected_tracker_filename=str(path))
     passes = 0
     while machine.should_run_forward_backward(None):
         passes += 1
         if passes == 1:  # the re-run takes another path and never validates
-            machine.validate_result(torch.tensor(NAN), torch.isnan, "loss")
+            machine.validate_result(torch.tensor(NAN), torch.isnan, "loss", fatal=fatal)
     assert passes == 2
-    assert machine.should_checkpoint_and_exit() == (True, True, 17)
+    assert machine.should_checkpoint_and_exit() == exit_
+    # As Megatron-Core: nothing was compared, so no verdict and no second tracker line.
+    assert [json.loads(x)["status"] for x in path.read_text().splitlines()] == ["INITIAL_RUN"]
+    assert [e["diagnostic"] for e in events] == [None, None]
+    assert "did not reach the rejected check" in events[-1]["message"]
 
 
 # ------------------------------------------------------------------------ comparisons
@@ -357,12 +368,12 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(RuntimeError, match="during a step"):
         machine.set_mode(RerunMode.DISABLED)
     with pytest.raises(RuntimeError, match="during a pass"):
-        machine.state_dict(None, "torch_dist", force=True)
+        machine.state_dict(None, "torch", force=True)
 
 
 def test_bad_state_dicts_are_refused(monkeypatch):
     machine = RerunStateMachine(mode=V)
-    good = machine.state_dict(None, "torch_dist", force=True)
+    good = machine.state_dict(None, "torch", force=True)
     assert machine.validate_state_dict(None) is False
     assert machine.validate_state_dict(good) is False  # between steps: nothing to resume
     with pytest.raises(ValueError, match="version 99"):
@@ -370,19 +381,19 @@ def test_bad_state_dicts_are_refused(monkeypatch):
     megatron_like = {"mode": "validate_results", "state": RerunState.WILL_RERUN_FROM_CHECKPOINT,
                      "current_iteration": 3, "sharded": object()}
     with pytest.raises(ValueError, match="Megatron"):
-        machine.validate_state_dict(megatron_like)
+        machine.load_state_dict(megatron_like)
     with pytest.raises(ValueError, match="malformed"):
         machine.load_state_dict({**good, "sharded": {}})
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(ValueError, match="saved by rank 1"):
-        machine.load_state_dict({**good, "rank": 1})
+        machine.load_state_dict({**good, "sharded": {**good["sharded"], "rank": 1}})
 
 
 def test_changed_data_iterator_count_is_an_error(monkeypatch):
     machine = RerunStateMachine(mode=V)
     data = batches()
     run_step(machine, data, always_nan)
-    state = machine.state_dict(data, "torch_dist")
+    state = machine.state_dict(data, "torch")
     fresh = RerunStateMachine(mode=V)
     fresh.load_state_dict(state)
     monkeypatch.setenv("FT_DEVICE_ID", "9")
@@ -393,7 +404,7 @@ def test_changed_data_iterator_count_is_an_error(monkeypatch):
 def test_load_in_disabled_mode_is_ignored():
     machine = RerunStateMachine(mode=V)
     run_step(machine, batches(), always_nan)
-    state = machine.state_dict(None, "torch_dist")
+    state = machine.state_dict(None, "torch")
     fresh = RerunStateMachine()
     fresh.load_state_dict(state)
     assert fresh.state == RerunState.NOT_RUNNING_YET and fresh.current_iteration == 0
@@ -463,7 +474,7 @@ def test_error_injector_drives_each_diagnosis(monkeypatch):
         assert machine.should_checkpoint_and_exit()[2] == first_exit
         if first_exit == 17:
             continue
-        state = roundtrip(machine.state_dict(None, "torch_dist"))
+        state = roundtrip(machine.state_dict(None, "torch"))
         assert state["sharded"]["error_injector_checkpoint"]["injected_error_type"] == kind.value
         monkeypatch.setenv("FT_DEVICE_ID", "1")
         events = listen()
@@ -563,3 +574,162 @@ def test_tracker_file_and_skip_list_are_one_based(tmp_path, caplog):
 def test_unwritable_tracker_file_fails_at_start(tmp_path):
     with pytest.raises(RuntimeError, match="cannot be appended"):
         RerunStateMachine(result_rejected_tracker_filename=str(tmp_path / "no" / "file"))
+
+
+# ------------------------------------------------------------- Megatron compatibility
+def _pending_state(monkeypatch, fmt="torch"):
+    monkeypatch.setenv("FT_DEVICE_ID", "2")
+    machine = RerunStateMachine(mode=V)
+    data = batches()
+    run_step(machine, data, always_nan)
+    return machine, machine.state_dict(data, fmt)
+
+
+def test_validate_state_dict_never_raises_and_warns_once_for_foreign(caplog, monkeypatch):
+    machine, pending = _pending_state(monkeypatch)
+    fresh = RerunStateMachine(mode=V)
+    between = fresh.state_dict(None, "torch", force=True)
+    megatron = {"mode": RerunMode.VALIDATE_RESULTS,
+                "state": RerunState.WILL_RERUN_FROM_CHECKPOINT,
+                "current_iteration": 3, "sharded": {"rerun_requested": True}}
+    with caplog.at_level(logging.WARNING, logger="rerun"):
+        answers = [fresh.validate_state_dict(x) for x in (
+            None, {}, between, {**megatron, "state": RerunState.NOT_RUNNING_YET}, [1], "x",
+            {"state": "WILL_RERUN_FROM_CHECKPOINT"}, {**pending, "version": 1})]
+        assert answers == [False] * 8
+        caplog.clear()
+        assert fresh.validate_state_dict(megatron) is False
+    assert len(caplog.records) == 1 and "starting fresh" in caplog.text
+    assert fresh.validate_state_dict(pending) is True
+
+
+def test_request_flags_are_saved_and_restored(monkeypatch):
+    machine, state = _pending_state(monkeypatch)
+    state = roundtrip(state)
+    assert (state["sharded"]["rerun_requested"], state["sharded"]["checkpoint_requested"]) == (
+        True, True)
+    fresh = RerunStateMachine(mode=V)
+    fresh.load_state_dict(state)
+    assert (fresh.rerun_requested, fresh.checkpoint_requested, fresh.restart_again_requested,
+            fresh.continue_requested) == (True, True, False, False)
+    assert fresh.suspicious_device == 2 and fresh.suspicious_device_identity == "2"
+
+
+def test_torch_dist_wraps_the_rank_part_in_megatron_sharded_object(monkeypatch):
+    from megatron.core.dist_checkpointing.mapping import ShardedObject  # a test dependency
+
+    monkeypatch.setenv("RANK", "1")
+    machine, state = _pending_state(monkeypatch, "torch_dist")
+    obj = state["sharded"]
+    assert isinstance(obj, ShardedObject)
+    assert (obj.key, obj.global_shape, obj.global_offset) == (rsm.SHARDED_KEY, (1,), (1,))
+    assert obj.data["rank"] == 1 and "rank" not in state  # the common part is rank-free
+    # Megatron's load template has the same key, shape and offset.
+    template = RerunStateMachine(mode=V).state_dict(None, "torch_dist", force=True)["sharded"]
+    assert (template.key, template.global_offset) == (obj.key, obj.global_offset)
+    # What the distributed checkpoint gives back: the rank's own dict in place.
+    RerunStateMachine(mode=V).load_state_dict({**state, "sharded": obj.data})
+    RerunStateMachine(mode=V).load_state_dict(state)  # still wrapped: unwrapped on load
+    monkeypatch.setenv("RANK", "0")  # rank 0 handed rank 1's copy: refused
+    with pytest.raises(ValueError, match="saved by rank 1, loaded by 0"):
+        RerunStateMachine(mode=V).load_state_dict({**state, "sharded": obj.data})
+    # Megatron keeps the structure constant: torch_dist returns a sentinel between steps.
+    idle = RerunStateMachine(mode=V)
+    assert idle.state_dict(None, "torch_dist")["state"] == "NOT_RUNNING_YET"
+    assert idle.state_dict(None, "torch") is None
+    assert RerunStateMachine().state_dict(None, "torch_dist") is None  # DISABLED
+    # Without Megatron-Core: plain per-rank data.
+    monkeypatch.setattr(rsm, "_sharded_object_class", lambda: None)
+    assert isinstance(idle.state_dict(None, "torch_dist")["sharded"], dict)
+
+
+def test_report_determinism_stats_reruns_only_steps_that_validated():
+    machine = RerunStateMachine(mode=RerunMode.REPORT_DETERMINISM_STATS)
+    data = batches()
+    seen = [len(run_step(machine, data, fine)) for _ in range(2)]
+    passes = 0
+    while machine.should_run_forward_backward(data):  # a step without validation
+        next(data)
+        passes += 1
+    assert seen == [2, 2] and passes == 1
+
+
+def test_is_unexpectedly_large_resample_keeps_the_maximum():
+    machine = RerunStateMachine(mode=V)
+    check = partial(machine.is_unexpectedly_large, threshold=10, context="loss", num_samples=2)
+    assert [check(v) for v in (5.0, 1.0)] == [False, False]
+    assert check(1.0, resample=True) is False  # counting again; the maximum stays 5
+    assert check(2.0) is False
+    assert machine.max_values["loss"] == 5.0
+    assert check(49.0) is False and check(50.0) is True
+
+
+def test_no_autograd_warning_when_a_result_is_recorded(tmp_path):
+    machine = RerunStateMachine(mode=V, result_rejected_tracker_filename=str(tmp_path / "t"))
+    weight = torch.ones((), requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        passes = 0
+        while machine.should_run_forward_backward(None):
+            passes += 1
+            loss = weight * (NAN if passes == 1 else 2.0)
+            machine.validate_result(loss, torch.isnan, "loss", fatal=False)
+            machine.validate_result(loss, partial(machine.is_unexpectedly_large, threshold=10,
+                                                  context="loss"), "spike", fatal=False)
+            loss.backward()
+    assert passes == 2
+
+
+def test_first_iteration_complete():
+    machine = RerunStateMachine(mode=V)
+    assert machine.first_iteration_complete is False
+    run_step(machine, batches(), fine)
+    assert machine.first_iteration_complete is False
+    machine.should_checkpoint_and_exit()
+    assert machine.first_iteration_complete is True
+
+
+def test_resumed_loader_at_the_wrong_sample_is_reported(monkeypatch, caplog):
+    machine, state = _pending_state(monkeypatch)
+    monkeypatch.setenv("FT_DEVICE_ID", "5")
+    events = listen()
+    fresh = RerunStateMachine(mode=V)
+    fresh.load_state_dict(state)
+    wrong = RerunDataIterator(iter([torch.full((2,), 42.0)]))  # resumed after the step
+    with caplog.at_level(logging.ERROR, logger="rerun"):
+        run_step(fresh, wrong, always_nan)
+    assert "gave other microbatches" in caplog.text
+    assert "other input" in events[-1]["message"]
+
+
+def test_share_iterations_to_skip_without_distributed():
+    assert rerun.share_iterations_to_skip([5, 3, 5]) == [3, 5]
+
+
+@pytest.mark.parametrize("line, expected", [
+    ("ts=2025-01-01 00:00:00.1 node=n device=0 jobID=N/A rank=3 iteration=7 "
+     "status=RerunValidationStatus.RERUN_DISABLED result=tensor(nan) message='a b'",
+     ("N/A", 3, 7, "RERUN_DISABLED")),
+    ("ts=2025-01-01 00:00:00.1 node=n device=0 jobID=4 rank=0 iteration=2 "
+     "status=first_rerun_reproducible result=1 message='rank=9 iteration=9 status=x'",
+     ("4", 0, 2, "FIRST_RERUN_REPRODUCIBLE")),
+    ('{"rank": 1, "iteration": 4, "status": "INITIAL_RUN", "job_id": 12}',
+     ("12", 1, 4, "INITIAL_RUN")),
+])
+def test_tracker_lines_of_both_formats(line, expected):
+    from rerun import tracker
+
+    r = tracker.parse_line(line)
+    assert (r.job, r.rank, r.iteration, r.status) == expected
+
+
+@pytest.mark.parametrize("line", [
+    "x" * 70000, '{"rank": true, "iteration": 1, "status": "INITIAL_RUN"}', "[1]",
+    "ts=1 node=n device=0 jobID=1 rank=1 iteration=1e9 status=initial_run result=1",
+    "ts=1 node=n device=0 jobID=1 rank=1 iteration=1 status=bogus result=1",
+])
+def test_malformed_tracker_lines_are_refused(line):
+    from rerun import tracker
+
+    with pytest.raises(ValueError):
+        tracker.parse_line(line)

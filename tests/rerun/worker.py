@@ -102,6 +102,7 @@ def train(args, rank: int, world: int, mode: RerunMode, events: list) -> dict:
     first_step = completed + 1
     exit_code = 0
     for step in range(first_step, args.steps + 1):
+        step_start = loader.pos  # where a resumed job's loader starts this step
         if step in skip:
             while machine.should_run_forward_backward(data):
                 next(data), next(data)  # a dummy step: drain its microbatches
@@ -138,8 +139,8 @@ def train(args, rank: int, world: int, mode: RerunMode, events: list) -> dict:
                     "opt": opt.state_dict(),
                     "rng": torch.get_rng_state(),
                     "completed": step - 1,
-                    "loader_pos": loader.pos,
-                    "rerun": machine.state_dict(data, "torch_dist"),
+                    "loader_pos": step_start,
+                    "rerun": machine.state_dict(data, "torch"),
                 },
                 ckpt_path,
             )
