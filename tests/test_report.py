@@ -11,6 +11,9 @@ from pathlib import Path
 import pytest
 from test_ledger import T0, Stream, killed_then_finished
 
+from ft_launcher.report import build_report
+from ft_launcher.timeline import build_figure
+
 FT_REPORT = str(Path(sys.executable).parent / "ft_report")
 
 
@@ -114,6 +117,12 @@ def test_html_timeline_is_self_contained(tmp_path: Path):
     for name in ("fault_injected", "worker_exited", "first_step", "checkpoint_saved",
                  "productive time", "work_lost time", "goodput ledger"):
         assert f'"{name}"' in doc or name in doc, name
+    # Each mark carries its event's fields for the hover box.
+    fig = build_figure(killed_then_finished().records, build_report(run))
+    hover = {t.name: list(t.hovertext) for t in fig.data if t.type == "scatter"}
+    assert hover["worker_exited"][0].startswith("<b>worker_exited</b> at 12.600 s<br>")
+    assert "&quot;signal&quot;: &quot;SIGKILL&quot;" in hover["worker_exited"][0]
+    assert "&quot;iteration&quot;: 100" in hover["checkpoint_saved"][1]
 
 
 def test_html_without_plotly_says_which_extra_to_install(tmp_path: Path):
