@@ -75,8 +75,9 @@ def _hover(record: dict[str, Any], t0: float) -> str:
     text = json.dumps(fields, default=str, sort_keys=True)
     if len(text) > 600:
         text = text[:600] + "…"
+    body = html.escape(text, quote=False).replace(", ", ",<br>")  # plotly knows few entities
     return (f"<b>{html.escape(str(record.get('event')))}</b> at "
-            f"{_when(record) - t0:.3f} s<br>" + html.escape(text).replace(", ", ",<br>"))
+            f"{_when(record) - t0:.3f} s<br>{body}")
 
 
 def build_figure(events: list[dict[str, Any]], report: dict[str, Any]) -> Any:

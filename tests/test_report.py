@@ -121,8 +121,8 @@ def test_html_timeline_is_self_contained(tmp_path: Path):
     fig = build_figure(killed_then_finished().records, build_report(run))
     hover = {t.name: list(t.hovertext) for t in fig.data if t.type == "scatter"}
     assert hover["worker_exited"][0].startswith("<b>worker_exited</b> at 12.600 s<br>")
-    assert "&quot;signal&quot;: &quot;SIGKILL&quot;" in hover["worker_exited"][0]
-    assert "&quot;iteration&quot;: 100" in hover["checkpoint_saved"][1]
+    assert '"signal": "SIGKILL"' in hover["worker_exited"][0]
+    assert '"iteration": 100' in hover["checkpoint_saved"][1]
 
 
 def test_html_without_plotly_says_which_extra_to_install(tmp_path: Path):
