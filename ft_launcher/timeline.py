@@ -37,6 +37,11 @@ LAUNCHER_LANE = "launcher"
 PHASE_LANE = "phases"
 
 
+def _esc(text: object) -> str:
+    """Escape for plotly's HTML-like labels (it renders few entities: leave quotes)."""
+    return html.escape(str(text), quote=False)
+
+
 class MissingExtra(RuntimeError):
     """plotly is not installed."""
 
@@ -75,8 +80,8 @@ def _hover(record: dict[str, Any], t0: float) -> str:
     text = json.dumps(fields, default=str, sort_keys=True)
     if len(text) > 600:
         text = text[:600] + "…"
-    body = html.escape(text, quote=False).replace(", ", ",<br>")  # plotly knows few entities
-    return (f"<b>{html.escape(str(record.get('event')))}</b> at "
+    body = _esc(text).replace(", ", ",<br>")  # plotly knows few entities
+    return (f"<b>{_esc(str(record.get('event')))}</b> at "
             f"{_when(record) - t0:.3f} s<br>{body}")
 
 
@@ -132,7 +137,7 @@ def build_figure(events: list[dict[str, Any]], report: dict[str, Any]) -> Any:
         title += f" — goodput {100 * goodput:.1f}%"
     # Tall enough for the lanes and, up to a point, the whole ledger (beyond, it scrolls).
     plot_h = max(46 * len(lanes) + 120, min(23 * len(table.cells.values[0]) + 60, 900))
-    fig.update_layout(title={"text": html.escape(title)}, height=plot_h + 240,
+    fig.update_layout(title={"text": _esc(title)}, height=plot_h + 240,
                       width=1500, template="plotly_white", hovermode="closest",
                       legend={"orientation": "h", "yanchor": "top", "y": -0.12, "x": 0},
                       margin={"t": 80, "b": 40})
@@ -157,7 +162,7 @@ def _add_phases(go: Any, fig: Any, ledger: dict[str, Any], t0: float) -> None:
                 bars[phase]["base"].append(start)
                 bars[phase]["text"].append(
                     f"<b>{phase}</b> {secs:.3f} s<br>cycle {c['cycle']}"
-                    + (f"<br>cause: {html.escape(str(c['cause']))}" if c["cause"] else "")
+                    + (f"<br>cause: {_esc(str(c['cause']))}" if c["cause"] else "")
                     + ("<br><b>no progress</b>" if c["no_progress"] else ""))
                 start += secs
     for phase, b in bars.items():
@@ -176,7 +181,7 @@ def _ledger_table(go: Any, ledger: dict[str, Any]) -> Any:
         prefix = f"attempt {a['attempt']} " if several else ""
         for c in a["cycles"]:
             label = f"{prefix}cycle {c['cycle']}"
-            rows.append((f"<b>{label}</b>", html.escape(c["cause"] or c["outcome"] or "")
+            rows.append((f"<b>{label}</b>", _esc(c["cause"] or c["outcome"] or "")
                          + (" — <b>NO PROGRESS</b>" if c["no_progress"] else "")))
             for name, key in (("fault → detected", "detection_s"), ("teardown", "teardown_s"),
                               ("rendezvous", "rendezvous_s"),
@@ -192,7 +197,7 @@ def _ledger_table(go: Any, ledger: dict[str, Any]) -> Any:
                      else f"{100 * a['goodput']:.1f}% ({a['productive_s']:.1f} of "
                           f"{a['wall_s']:.1f} s)"))
         for cause, secs in a["lost_by_cause_s"].items():
-            rows.append((f"  lost: {html.escape(cause)}", f"{secs:.3f} s"))
+            rows.append((f"  lost: {_esc(cause)}", f"{secs:.3f} s"))
     return go.Table(
         columnwidth=[0.55, 0.45],
         header={"values": ["<b>goodput ledger</b>", ""], "align": "left"},
