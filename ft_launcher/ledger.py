@@ -498,12 +498,12 @@ def well_formed(record: Any) -> bool:
 
 
 def attempt_number(launcher_started: dict[str, Any], previous: int | None) -> int:
-    """The attempt a ``launcher_started`` record opens: its ``attempt`` field, else the one
-    after ``previous`` (records of an older launcher carry none), else 1."""
+    """The attempt a ``launcher_started`` record opens: its ``attempt`` field, never below
+    the one after ``previous`` (the run directory's own numbering, ``RunDir``); records of
+    an older launcher carry none and count one more."""
+    after = (previous or 0) + 1
     given = _int(launcher_started.get("attempt"))
-    if given is not None and given >= 1:
-        return given
-    return previous + 1 if previous is not None else 1
+    return max(after, given) if given is not None else after
 
 
 def split_attempts(records: list[dict[str, Any]]) -> list[tuple[int, list[dict[str, Any]]]]:
