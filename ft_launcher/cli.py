@@ -150,10 +150,19 @@ FT_OPTIONS = [
     ("--ft-status-interval", "status_interval",
      "Seconds between the launcher's status lines: elapsed, cycle, restarts, last step, "
      "goodput (0 = off) [60]."),
+    ("--ft-health-check", "health_checks",
+     "A shell command run before every rendezvous; non-zero or past its timeout = this node "
+     "does not join and exits for a requeue without it. Repeatable."),
+    ("--ft-health-check-timeout", "health_check_timeout",
+     "Seconds each health check may take, the built-in GPU query included [30]."),
+    ("--ft-min-free-space", "min_free_space",
+     "Free space the run directory needs to pass the health check: bytes or a size such as "
+     "500MB (0 = no minimum) [100MB]."),
 ]
 
 
 FLAG_KEYS = {"skip_bad_iterations", "warm_restart", "learned_timeouts_override"}
+MULTIPLE_KEYS = {"health_checks"}
 # NVRx's settings of the same name and meaning: their NVRx spellings are accepted too.
 NVRX_KEYS = (*agent_config.BASE_PARSERS, "max_no_progress_cycles", "checkpoint_iteration_file")
 ALIAS_PREFIX = "nvrx_alias__"
@@ -180,6 +189,9 @@ def _nvrx_spellings(key: str) -> list[str]:
 def _ft_option(flag: str, key: str, help_text: str):
     if key in FLAG_KEYS:
         return click.option(flag, key, is_flag=True, default=None, help=help_text)
+    if key in MULTIPLE_KEYS:  # not given = None, so the YAML file's list still applies
+        return click.option(flag, key, multiple=True, metavar="CMD", help=help_text,
+                            callback=lambda _ctx, _param, value: list(value) or None)
     return click.option(flag, key, default=None, metavar="VALUE", help=help_text)
 
 

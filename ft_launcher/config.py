@@ -54,6 +54,10 @@ class FaultToleranceConfig(agent_config.FaultToleranceConfig):
     metrics_port: int | None = None  # Prometheus metrics (ft_launcher.metrics); None = off
     metrics_addr: str = "127.0.0.1"
     status_interval: float = 60.0  # seconds between status lines; 0 = off
+    # Node health checks (ft_launcher/health.py), run before every rendezvous.
+    health_checks: list[str] = field(default_factory=list)  # shell commands
+    health_check_timeout: float = 30.0  # seconds, per check
+    min_free_space: int = 100 * 2**20  # bytes free in the run directory; 0 = no minimum
 
     @classmethod
     def parsers(cls) -> dict[str, Parser]:
@@ -123,6 +127,34 @@ def _parse_interval(name: str, value: Any) -> float:
     return parse_number(name, value, low=0.0, high=float("1e9"), low_inclusive=True)
 
 
+def _parse_commands(name: str, value: Any) -> list[str]:
+    """Shell commands: one string, or a list of them (repeated option, YAML list)."""
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list | tuple) or not all(isinstance(v, str) for v in items):
+        raise ConfigError(f"{name}: expected a shell command or a list of them, got {value!r}")
+    for cmd in items:
+        if not cmd.strip() or len(cmd) > 4096 or "\0" in cmd:
+            raise ConfigError(f"{name}: expected a command of 1-4096 characters, got {cmd!r}")
+    return list(items)
+
+
+SIZE_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20,
+              "mib": 2**20, "g": 2**30, "gb": 2**30, "gib": 2**30, "t": 2**40, "tb": 2**40,
+              "tib": 2**40}
+
+
+def _parse_size(name: str, value: Any) -> int:
+    """Bytes: ``1048576``, ``100MB``, ``2G`` (binary units; 0 = no minimum)."""
+    text = str(value).strip().lower().replace(" ", "")
+    number = text.rstrip("kmgtib")
+    unit = text[len(number):]
+    if unit not in SIZE_UNITS or not number:
+        raise ConfigError(f"{name}: expected bytes or a size such as 500MB or 2GB, "
+                          f"got {value!r}")
+    size = parse_number(name, number, low=0.0, high=2.0**60, low_inclusive=True)
+    return int(size * SIZE_UNITS[unit])
+
+
 FT_PARSERS: dict[str, Parser] = {
     **agent_config.BASE_PARSERS,
     "state_path": _parse_optional_str,
@@ -139,6 +171,9 @@ FT_PARSERS: dict[str, Parser] = {
     "metrics_port": _parse_port,
     "metrics_addr": _parse_addr,
     "status_interval": _parse_interval,
+    "health_checks": _parse_commands,
+    "health_check_timeout": _parse_positive_float,
+    "min_free_space": _parse_size,
 }
 assert set(FT_PARSERS) == {f.name for f in dataclasses.fields(FaultToleranceConfig)} - {
     "configured"}
