@@ -183,6 +183,10 @@ def test_attempts_in_one_run_dir_are_kept_apart():
     legacy = killed_then_finished(offset=100.0).records
     assert [a["attempt"] for a in ledger_of(first.records + legacy).summary()["attempts"]] \
         == [1, 2]
+    # Numbers never go back (as RunDir numbers them): a stale `attempt: 1` is attempt 2.
+    stale = killed_then_finished(attempt=1, offset=100.0).records
+    assert [a["attempt"] for a in ledger_of(first.records + stale).summary()["attempts"]] \
+        == [1, 2]
 
 
 def test_a_launcher_that_died_silently_ends_its_attempt_at_its_last_event():
