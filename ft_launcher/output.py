@@ -187,6 +187,7 @@ class OutputPump:
         self.stream = stream
         self.sink = sink
         self.on_line = on_line
+        self.failures = 0
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> OutputPump:
@@ -205,6 +206,11 @@ class OutputPump:
             self.sink.close()
             self.sink = sink
 
+    def _failed(self, what: str) -> None:
+        self.failures += 1
+        if self.failures == 1:  # logged once, counted always
+            log.exception("%s: output %s failed; still draining", self.thread.name, what)
+
     @property
     def dropped_bytes(self) -> int:
         return self.sink.dropped_bytes
@@ -219,11 +225,17 @@ class OutputPump:
                     break
                 if not chunk:
                     break
-                try:
-                    if self.on_line is None or not self.on_line(self, chunk):
+                handled = False
+                if self.on_line is not None:
+                    try:
+                        handled = self.on_line(self, chunk)
+                    except Exception:  # the line still goes to the sink
+                        self._failed("line hook")
+                if not handled:
+                    try:
                         self.sink.write(chunk)
-                except Exception:  # never stop draining: the process would block or die
-                    log.exception("%s: output handling failed; still draining", self.thread.name)
+                    except Exception:  # never stop draining: the process would block or die
+                        self._failed("sink")
         finally:
             try:
                 self.stream.close()
