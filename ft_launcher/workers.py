@@ -99,6 +99,9 @@ class Worker:
     _pump: OutputPump | threading.Thread | None = field(default=None, repr=False)
     warm: bool = False  # an activated standby (warm restart), not a fresh spawn
     reported: bool = False  # its exit is on record (events.jsonl)
+    # The launcher sent it a terminating signal while it was still running (stop or
+    # kill_all): an exit after that may be the launcher's doing; before it, its own.
+    signalled: bool = False
 
     @property
     def rank(self) -> int:
@@ -249,6 +252,7 @@ class WorkerGroup:
         self.poll()
         for w in self.alive():
             # A SIGSTOPped worker would never act on SIGTERM; continue it first.
+            w.signalled = True
             self.send_signal(w, signal.SIGCONT)
             self.send_signal(w, signum)
         self._wait(grace)
@@ -256,7 +260,9 @@ class WorkerGroup:
 
     def kill_all(self) -> None:
         """SIGKILL every process group (also of exited leaders: their children may live)."""
+        self.poll()
         for w in self.workers:
+            w.signalled = w.signalled or w.alive
             self.send_signal(w, signal.SIGCONT)
             self.send_signal(w, signal.SIGKILL)
         self._wait(10.0)

@@ -163,6 +163,30 @@ def test_children_of_workers_die_with_a_sigkilled_launcher(run_dir: Path):
             proc.communicate()
 
 
+def test_a_worker_that_exited_16_before_the_teardown_keeps_its_code(tmp_path: Path):
+    """Rank 0 exits 16 just before the group is stopped (not yet reaped): it keeps its 16
+    and is not counted as signalled; rank 1, still running, is stopped by SIGTERM."""
+    from ft_launcher.workers import WorkerGroup, WorkerSpec
+
+    env = {**os.environ, "FT_RUN_DIR": str(tmp_path), "RANK": "0"}
+    specs = [WorkerSpec(0, 0, [sys.executable, IO_CASES, "exit_code", "16"], env,
+                        tmp_path / "r0.log", False),
+             WorkerSpec(1, 1, [sys.executable, "-c", "import time; time.sleep(60)"], env,
+                        tmp_path / "r1.log", False)]
+    group = WorkerGroup()
+    group.start(specs)
+    try:
+        first = psutil.Process(group.workers[0].pid)
+        wait_for(lambda: first.status() == psutil.STATUS_ZOMBIE, 30, "rank 0 to exit")
+        group.stop(grace=10)
+    finally:
+        group.kill_all()
+    r0, r1 = group.workers
+    assert (r0.describe_exit(), r0.signalled) == ({"exit_code": 16, "signal": None}, False)
+    assert (r1.describe_exit(), r1.signalled) == ({"exit_code": None, "signal": "SIGTERM"},
+                                                  True)
+
+
 # -- the open-file limit ---------------------------------------------------------------------
 
 
