@@ -130,7 +130,7 @@ def test_exit_16_lands_on_the_device_the_policy_chose(run_dir):
     if cuda_device_count() == 1:
         # One GPU: no untried rotation is left, so the launcher stops with 16 and asks the
         # scheduler to requeue elsewhere (README, "Exit codes and the policy").
-        assert res.returncode == 16, res.stdout[-3000:]
+        assert res.returncode == 16, f"launcher exit {res.returncode}:\n{res.stdout[-3000:]}"
         assert s["cycles"] == 1 and s["restarts"] == 0
         assert s["next_action"]["requeue"] is True
         assert s["next_action"]["exclude_nodes"] == [s["host"]]
@@ -215,7 +215,7 @@ def test_warm_standby_holds_no_cuda_context(warm_job, record_property):
 
 
 def _recovery(job: Job, record_property, name: str) -> float:
-    assert job.seen["rc"] == 0, job.output[-3000:]
+    assert job.seen["rc"] == 0, f"launcher exit {job.seen['rc']}:\n{job.output[-3000:]}"
     steps = job.steps(1)
     assert steps, f"cycle 1 made no CUDA step:\n{job.log(1)[-2000:]}"
     took = steps[0][1] - job.seen["killed_at"]
@@ -278,7 +278,8 @@ def test_kernel_hang_is_detected_at_its_timeout_and_the_job_restarts(hang_job):
     assert HANG_TIMEOUT_S <= hang["silence_s"] < HANG_TIMEOUT_S + 5, hang
     killed = named(evs, "rank_killed")
     assert killed and killed[0]["reason"] == "hang"
-    assert hang_job.seen["rc"] == 0, hang_job.output[-3000:]
+    assert hang_job.seen["rc"] == 0, (
+        f"launcher exit {hang_job.seen['rc']}:\n{hang_job.output[-3000:]}")
     assert len(hang_job.steps(1)) == 3, "the restarted cycle trains on the GPU"
 
 
@@ -325,7 +326,7 @@ def test_train_ddp_on_nccl_recovers_from_a_simulated_kill(run_dir):
                        "--ft-simulated-fault", "rank_killed:base_delay=15,rank=0",
                        str(EXAMPLES / "train_ddp.py"), "--device", "cuda", "--steps", "600",
                        "--ckpt-every", "10", "--step-time", "0.02", timeout=240)
-    assert res.returncode == 0, res.stdout[-3000:]
+    assert res.returncode == 0, f"launcher exit {res.returncode}:\n{res.stdout[-3000:]}"
     log0 = (run_dir / "logs" / "cycle_0" / "rank_0.log").read_text()
     log1 = (run_dir / "logs" / "cycle_1" / "rank_0.log").read_text()
     assert "backend nccl" in log0 and "device cuda" in log0, log0[:2000]
