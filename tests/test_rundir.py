@@ -202,6 +202,19 @@ def test_a_run_dir_symlink_of_another_user_is_refused(shared_dir: Path, tmp_path
         RunDir(shared_dir / "run")
 
 
+def test_cjk_run_dir(run_dir: Path):
+    """Issue 11, item 15: a run dir whose socket path is under 100 characters but over the
+    AF_UNIX limit in bytes (3 bytes per CJK character) runs normally."""
+    room = 99 - len(str(run_dir / "ipc" / "monitor.sock")) - 1
+    assert room >= 15, f"tmp path too long for this case: {run_dir}"
+    run = run_dir / ("运" * room)
+    sock = run / "ipc" / "monitor.sock"
+    assert len(str(sock)) < 100 and len(os.fsencode(sock)) > 107
+    res = launch(run, "--nproc-per-node", "1", IO_CASES, "exit_code", "0")
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert json.loads((run / "summary.json").read_text())["exit_code"] == 0
+
+
 # -- writes never end the job -----------------------------------------------------------------
 
 
