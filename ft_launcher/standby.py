@@ -1,44 +1,63 @@
-"""Warm restart: one standby interpreter per local rank, ready to become the next worker.
+"""Warm restart: one standby process per local rank, ready to become the next worker.
 
-With ``--ft-warm-restart`` (YAML ``warm_restart: true``) the launcher keeps, while a cycle
-runs, one standby process per local rank that already imported the ``--ft-preload``
-modules (default ``torch``) and waits (``standby_worker.py`` runs inside it). A restart
-hands each ready standby the new cycle's argv and environment; it runs the training script
-in place, so the worker skips the interpreter start and the imports. Local ranks without a
-ready standby start cold. Off by default; without the option nothing here runs.
+With ``--ft-warm-restart`` (YAML ``warm_restart: true``) the launcher keeps one standby per
+local rank that already imported the ``--ft-preload`` modules (default ``torch``) and waits
+(``worker_side/standby.py`` runs inside it). A restart hands each ready standby the new
+cycle's argv and environment; it runs the training script in place, so the worker skips the
+interpreter start and the imports. Local ranks without a ready standby start cold.
+
+Where standbys come from:
+
+- **The zygote** (``worker_side/zygote.py``): one process per node, spawned when the pool is
+  created (at launcher start), that imports the preloads once, under ``SCHED_IDLE`` until
+  the first cycle trains (``tick(True)``) or ``SPAWN_DELAY_S`` passed, so it never slows a
+  cycle's start. Once it is ready (``zygote_ready``) it forks a standby per local rank, and a
+  fresh one at once whenever one is taken for a restart or dies. A forked standby shares the
+  imported pages copy-on-write and is ready in milliseconds. The launcher is a child
+  subreaper (``PR_SET_CHILD_SUBREAPER``) and adopts each standby, so a worker made from one
+  is the launcher's own child like a cold worker (exit status, SIGCHLD, PDEATHSIG relative
+  to the launcher), and the zygote's death costs no worker anything.
+- **Spawned standbys** (the fallback, after one ``zygote_fallback`` event saying why: the
+  preloads started threads or a CUDA context, the launcher cannot adopt processes, or the
+  zygote or its forks died): a fresh interpreter per local rank (``workers.spawn_process``)
+  that imports the preloads itself, spawned once every rank of a cycle sent its first
+  heartbeat (or ``SPAWN_DELAY_S`` passed), at most ``max(1, cores // 2)`` importing at once.
 
 Life cycle, driven by the supervisor's loop through four calls:
 
 - ``take(spec)``: at a cycle's start, activate the local rank's ready standby (a Worker
   whose ``started_at`` is the activation time, so the initial-heartbeat clock starts then);
-- ``cycle_started()``: the cycle's workers were started; hold new standbys back;
-- ``tick(training_started)``: every loop iteration; spawn missing standbys once every rank
-  of the cycle sent its first heartbeat (or ``SPAWN_DELAY_S`` passed), so standbys never
-  compete with the cycle's own start-up, at most ``max(1, cores // 2)`` importing at once;
-  report ready ones (``standby_ready`` with pid, import time and memory) and replace dead
-  ones (``standby_died``);
-- ``close()``: SIGKILL every standby's process group (the supervisor's ``finally``).
-  A SIGKILLed launcher takes them along through PDEATHSIG, like its workers.
+- ``cycle_started()``: the cycle's workers were started;
+- ``tick(training_started)``: every loop iteration; reads the zygote's messages, reports
+  ready standbys (``standby_ready`` with pid, time to ready and memory), replaces dead ones
+  (``standby_died``), forks or spawns missing ones and reaps adopted orphans;
+- ``close()``: SIGKILL every standby's process group and the zygote (the supervisor's
+  ``finally``). A SIGKILLed launcher takes them along through PDEATHSIG, like its workers.
 
-Standbys are spawned like workers (``workers.spawn_process``: exec of a fresh interpreter,
-own session, PDEATHSIG), never forked from the launcher. Their environment is the
-launcher's plus ``OMP_NUM_THREADS`` when the launcher sets it for workers (libraries read it
-when they load). Their output before activation goes to ``LOG_DIR/standby/local_rank_N.log``;
-after activation to the cycle's rank log, echoed like a cold worker's. The run directory is
-on their command line, so tools that look for a run's processes find them.
+Standbys' environment is the launcher's plus ``OMP_NUM_THREADS`` when the launcher sets it
+for workers (libraries read it when they load). Their output before activation goes to
+``LOG_DIR/standby/local_rank_N.log`` (the zygote's to ``zygote.log``); after activation to
+the cycle's rank log, echoed like a cold worker's. The run directory is on their command
+line, so tools that look for a run's processes find them.
+
+As a subreaper the launcher also adopts the orphans of its workers (a worker's children when
+the worker dies first); ``tick`` and ``close`` reap those that exited (zombies of another
+session, never one of the launcher's own children).
 
 The feature turns itself off for the rest of the job (one ``warm_restart_disabled`` event)
 when the entrypoint is not a Python script (``--no-python``), a preload fails to import or
-opens a GPU device, or a local rank's standby dies ``MAX_EARLY_DEATHS`` times before it
-was ready.
+(spawned) opens a GPU device, or a local rank's spawned standby dies ``MAX_EARLY_DEATHS``
+times before it was ready.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -55,11 +74,13 @@ from ft_launcher.workers import Worker, WorkerSpec, spawn_process
 
 log = logging.getLogger("ft_launcher")
 
-BOOTSTRAP = "from ft_launcher.standby_worker import main; main()"
-SPAWN_DELAY_S = 5.0  # spawn standbys this long after a cycle started, heartbeats or not
+BOOTSTRAP = "from ft_launcher.worker_side.standby import main; main()"
+ZYGOTE_BOOTSTRAP = "from ft_launcher.worker_side.zygote import main; main()"
+SPAWN_DELAY_S = 5.0  # spawn standbys (raise the zygote) this long after a cycle started
 MAX_EARLY_DEATHS = 3  # standbys of one local rank dying before ready, in a row
 STANDBY_ENV_KEYS = ("OMP_NUM_THREADS",)  # worker settings that libraries read at load time
 _MB = 1024 * 1024
+_PR_SET_CHILD_SUBREAPER = 36
 
 
 @dataclass
@@ -116,12 +137,16 @@ class Standby:
     """One standby process; the pump thread fills in what the process tells."""
 
     local_rank: int
-    proc: subprocess.Popen
     nonce: str
     spawned_at: float
     sink: _Sink
+    stdin: IO[bytes]
+    stdout: IO[bytes]
+    proc: subprocess.Popen | ChildProcess | None  # None: forked, pid not told yet
+    forked: bool = False
     cycle_sink: _Sink | None = None  # set by take() before the activation record is sent
-    ready_s: float | None = None  # import time the standby reported
+    told_pid: int | None = None  # a forked standby's own pid, once adopted
+    ready_s: float | None = None  # import (spawned) or fork-to-ready (forked) time it reported
     ready_at: float | None = None
     threads: int | None = None
     failure: str | None = None  # "module: error" when a preload failed
@@ -129,23 +154,60 @@ class Standby:
     pump: threading.Thread | None = field(default=None, repr=False)
 
     @property
-    def pid(self) -> int:
-        return self.proc.pid
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else self.told_pid
+
+    def exited(self) -> bool:
+        """Dead: reaped, or (forked, pid not known yet) its output pipe closed."""
+        if self.proc is not None:
+            return self.proc.poll() is not None
+        return self.pump is not None and not self.pump.is_alive()
 
     def handle(self, message: str) -> bool:
         """A message line from the standby; True when its output now goes to the cycle."""
         kind, _, rest = message.partition(" ")
-        if kind == "ready":
-            seconds, _, threads = rest.partition(" ")
-            try:
+        try:
+            if kind == "ready":
+                seconds, _, threads = rest.partition(" ")
                 self.ready_s, self.threads = float(seconds), int(threads or 0)
-            except ValueError:
-                self.failure = f"unreadable message from the standby: {message!r}"
-                return False
-            self.ready_at = time.monotonic()
-        elif kind == "failed":
+                self.ready_at = time.monotonic()
+            elif kind == "pid":
+                self.told_pid = int(rest)
+        except ValueError:
+            self.failure = f"unreadable message from the standby: {message!r}"
+            return False
+        if kind == "failed":
             self.failure = rest
         return kind == "start"
+
+
+class ChildProcess:
+    """A child of the launcher that ``subprocess`` did not start: a standby forked by the
+    zygote and adopted by the launcher. Offers the part of Popen the launcher uses."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        """The exit code (negative: killed by that signal), None while it runs."""
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # cannot happen to an adopted child; be definite
+                self.returncode = 255
+                return self.returncode
+            if pid == self.pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired([f"pid {self.pid}"], timeout or 0.0)
+            time.sleep(0.005)
+        return code
 
 
 def _pump(sb: Standby) -> None:
@@ -154,8 +216,7 @@ def _pump(sb: Standby) -> None:
     # it is written after the activation record arrived, so nothing printed before
     # activation lands in the cycle's log and nothing after it is lost.
     mark = f"@@ft-standby {sb.nonce} ".encode()
-    stream = sb.proc.stdout
-    assert stream is not None
+    stream = sb.stdout
     sink = sb.sink
     try:
         for line in iter(stream.readline, b""):
@@ -176,6 +237,13 @@ def _pump(sb: Standby) -> None:
             sb.cycle_sink.close()
 
 
+def _copy_lines(stream: IO[bytes], sink: _Sink) -> None:
+    with stream:
+        for line in iter(stream.readline, b""):
+            sink.write(line)
+    sink.close()
+
+
 def _encode_record(cwd: str, entry: PythonEntry, args: list[str],
                    env: dict[str, str]) -> bytes:
     """The activation record: ``<length>\\n`` + NUL-separated fields (no NUL can occur in
@@ -184,6 +252,51 @@ def _encode_record(cwd: str, entry: PythonEntry, args: list[str],
               *(f"{k}={v}" for k, v in env.items())]
     payload = b"\0".join(os.fsencode(f) for f in fields)
     return str(len(payload)).encode() + b"\n" + payload
+
+
+@dataclass
+class _Zygote:
+    """The launcher's end of the zygote: its process, control socket and output pump."""
+
+    proc: subprocess.Popen
+    ctl: socket.socket
+    pump: threading.Thread
+    started_at: float
+    ready: bool = False
+    raised: bool = False  # back to normal scheduling (it starts under SCHED_IDLE)
+
+    def messages(self) -> tuple[list[str], bool]:
+        """Packets waiting on the control socket, and whether the zygote closed it."""
+        out: list[str] = []
+        while True:
+            try:
+                data = self.ctl.recv(4096)
+            except BlockingIOError:
+                return out, False
+            except OSError:
+                return out, True
+            if not data:
+                return out, True
+            out.append(data.decode(errors="replace"))
+
+    def raise_priority(self) -> None:
+        self.raised = True
+        try:
+            os.sched_setscheduler(self.proc.pid, os.SCHED_OTHER, os.sched_param(0))
+        except (AttributeError, OSError):  # gone, or not allowed: it raises itself when ready
+            pass
+
+    def stop(self) -> None:
+        self.ctl.close()
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            self.proc.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            log.warning("zygote pid %d did not exit after SIGKILL", self.proc.pid)
+        self.pump.join(timeout=2.0)
 
 
 class StandbyPool:
@@ -198,83 +311,233 @@ class StandbyPool:
         self.enabled = cfg.ft.warm_restart
         self.standbys: dict[int, Standby] = {}
         self.env = dict(os.environ)
+        if cfg.nproc_per_node > 1 and "OMP_NUM_THREADS" not in self.env:
+            self.env["OMP_NUM_THREADS"] = "1"  # what the workers get (supervisor's rule)
         self._cycle_start = time.monotonic()
         self._early_deaths: dict[int, int] = {}
         self._max_starting = max(1, (os.cpu_count() or 1) // 2)
+        self._held: list[tuple[str, dict[str, Any]]] | None = []  # events before the first call
+        self.zygote: _Zygote | None = None
+        self.forking = False  # standbys come from the zygote (else: spawned)
+        if self.enabled and self.entry is not None:
+            self._start_zygote()
 
     # -- the supervisor's calls ----------------------------------------------------------
 
     def take(self, spec: WorkerSpec) -> Worker | None:
-        """Activate the ready standby of ``spec.local_rank`` as this cycle's worker."""
+        """Activate the ready standby of ``spec.local_rank`` as this cycle's worker; a
+        forked one is replaced by a fresh fork at once."""
         if not self.enabled:
             return None
+        self._release_events()
         self._learn_env(spec)
         sb = self.standbys.get(spec.local_rank)
         entry = self.entry
         n = len(self.cfg.entrypoint)
-        if sb is None or sb.ready_at is None or sb.failure or sb.proc.poll() is not None \
-                or entry is None or spec.argv[:n] != self.cfg.entrypoint:
+        if sb is None or sb.ready_at is None or sb.failure or entry is None \
+                or spec.argv[:n] != self.cfg.entrypoint or not self._adopt(sb) \
+                or sb.exited():
             return None
+        assert sb.proc is not None
         if not sb.reported:
             self._report_ready(sb)
         record = _encode_record(os.getcwd(), entry, spec.argv[n:], spec.env)
         prefix = f"[rank{spec.rank}]: ".encode() if spec.echo else None
         sb.cycle_sink = _Sink(open(spec.log_path, "ab", buffering=0), prefix)  # noqa: SIM115
-        assert sb.proc.stdin is not None
         try:
-            sb.proc.stdin.write(record)
-            sb.proc.stdin.close()
+            sb.stdin.write(record)
+            sb.stdin.close()
         except OSError:  # it died just now: tick() reports it, this rank starts cold
             sb.cycle_sink.close()
             sb.cycle_sink = None
             return None
         del self.standbys[spec.local_rank]
-        return Worker(spec=spec, proc=sb.proc, started_at=time.time(), _pump=sb.pump,
-                      warm=True)
+        if self.forking:
+            self._fork(spec.local_rank)
+        return Worker(spec=spec, proc=sb.proc, started_at=time.time(),  # type: ignore[arg-type]
+                      _pump=sb.pump, warm=True)
 
     def cycle_started(self) -> None:
-        """The cycle's workers are up: new standbys wait until it runs (see ``tick``)."""
+        """The cycle's workers are up (spawned standbys wait until it runs, see ``tick``)."""
         self._cycle_start = time.monotonic()
+        self._release_events()
         if self.enabled and self.entry is None:
             self._disable("the training program is not a Python script (--no-python); "
                           "workers start cold")
 
     def tick(self, training_started: bool) -> None:
-        """Report ready and dead standbys; spawn missing ones when the cycle runs."""
+        """Zygote messages; report ready and dead standbys; fork or spawn missing ones."""
         if not self.enabled:
             return
+        self._release_events()
+        running = training_started or time.monotonic() - self._cycle_start >= SPAWN_DELAY_S
+        if self.zygote is not None:
+            self._zygote_messages()
+            if self.zygote is not None and running and not self.zygote.raised:
+                self.zygote.raise_priority()
         for sb in list(self.standbys.values()):
-            if sb.proc.poll() is not None:
+            if not self.enabled:
+                return
+            if sb.ready_at is not None or sb.told_pid is not None:
+                self._adopt(sb)
+            if sb.exited():
                 self._on_exit(sb)
             elif sb.failure:
                 self._disable(f"preload failed: {sb.failure}")
             elif sb.ready_at is not None and not sb.reported:
                 self._report_ready(sb)
-            if not self.enabled:
-                return
-        if training_started or time.monotonic() - self._cycle_start >= SPAWN_DELAY_S:
+        if not self.enabled:
+            return
+        if self.forking:
+            for local_rank in range(self.cfg.nproc_per_node):
+                if local_rank not in self.standbys and self.forking:
+                    self._fork(local_rank)
+        elif self.zygote is None and running:
             self._spawn_missing()
+        if self.forking:
+            reap_orphans()
 
     def close(self) -> None:
-        """SIGKILL every standby's process group and reap it."""
+        """SIGKILL every standby's process group and the zygote, and reap them."""
         standbys = list(self.standbys.values())
         self.standbys.clear()
         for sb in standbys:
-            try:
-                os.killpg(sb.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+            self._adopt(sb)
+            if sb.pid is not None and sb.proc is not None:
+                try:
+                    os.killpg(sb.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
         for sb in standbys:
-            try:
-                sb.proc.wait(timeout=5.0)
-            except subprocess.TimeoutExpired:  # unkillable (D state): leave it to the kernel
-                log.warning("standby pid %d did not exit after SIGKILL", sb.pid)
-            if sb.proc.stdin is not None:
-                sb.proc.stdin.close()
+            if sb.proc is not None:
+                try:
+                    sb.proc.wait(timeout=5.0)
+                except subprocess.TimeoutExpired:  # unkillable (D state): leave it to the kernel
+                    log.warning("standby pid %d did not exit after SIGKILL", sb.pid)
+            sb.stdin.close()  # a forked one not yet adopted exits when it reads EOF
             if sb.pump is not None:
                 sb.pump.join(timeout=2.0)
+        if self.zygote is not None:
+            self.zygote.stop()
+            self.zygote = None
+        self.forking = False
+        reap_orphans()
+
+    # -- the zygote ----------------------------------------------------------------------
+
+    def _start_zygote(self) -> None:
+        assert self.entry is not None
+        if not become_subreaper():
+            self._fallback("the launcher cannot adopt forked standbys "
+                           "(prctl PR_SET_CHILD_SUBREAPER failed)")
+            return
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        argv = [*self.entry.interpreter, "-c", ZYGOTE_BOOTSTRAP, secrets.token_hex(8),
+                str(self.cfg.run_dir.absolute()), self.entry.sys_path0(),
+                ",".join(self.cfg.ft.preload), str(os.getpid())]
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log_file = open(self.log_dir / "zygote.log", "ab", buffering=0)  # noqa: SIM115
+        try:
+            proc = spawn_process(argv, self.env, stdin=theirs.fileno())
+        except OSError as exc:
+            log_file.close()
+            ours.close()
+            self._fallback(f"cannot spawn the zygote: {exc}")
+            return
+        finally:
+            theirs.close()
+        ours.setblocking(False)
+        assert proc.stdout is not None
+        pump = threading.Thread(target=_copy_lines, args=(proc.stdout, _Sink(log_file, None)),
+                                daemon=True, name="ft-zygote-log")
+        pump.start()
+        self.zygote = _Zygote(proc, ours, pump, time.monotonic())
+        log.debug("zygote spawned: pid %d", proc.pid)
+
+    def _zygote_messages(self) -> None:
+        zygote = self.zygote
+        assert zygote is not None
+        messages, closed = zygote.messages()
+        for message in messages:
+            kind, _, rest = message.partition(" ")
+            if kind == "ready":
+                seconds, _, threads = rest.partition(" ")
+                zygote.ready = self.forking = True
+                self.event("zygote_ready", pid=zygote.proc.pid, preload=self.cfg.ft.preload,
+                           import_s=_float(seconds), threads=_float(threads),
+                           ready_s=round(time.monotonic() - zygote.started_at, 3),
+                           **_memory(zygote.proc.pid))
+            elif kind == "unsafe":
+                self._fallback(rest)
+                return
+            elif kind == "failed":
+                self._disable(f"preload failed: {rest}")
+                return
+            else:  # forkfailed, bad request: the standby's closed pipe tells the rest
+                log.warning("zygote: %s", message[:200])
+        if closed and self.zygote is not None:
+            code = zygote.proc.poll()
+            self._fallback(f"the zygote exited (exit code {code})" if code is not None
+                           else "the zygote closed its control socket")
+
+    def _fork(self, local_rank: int) -> None:
+        """Ask the zygote for a standby of ``local_rank``; its pipes travel with the request."""
+        assert self.zygote is not None
+        nonce = secrets.token_hex(8)
+        in_r, in_w = os.pipe()
+        out_r, out_w = os.pipe()
+        try:
+            socket.send_fds(self.zygote.ctl, [f"fork {local_rank} {nonce}".encode()],
+                            [in_r, out_w])
+        except OSError as exc:
+            for fd in (in_w, out_r):
+                os.close(fd)
+            self._fallback(f"cannot reach the zygote: {exc}")
+            return
+        finally:
+            os.close(in_r)
+            os.close(out_w)
+        log_path = self.log_dir / f"local_rank_{local_rank}.log"
+        sink = _Sink(open(log_path, "ab", buffering=0), None)  # noqa: SIM115
+        sb = Standby(local_rank, nonce, time.monotonic(), sink, os.fdopen(in_w, "wb", 0),
+                     os.fdopen(out_r, "rb"), None, forked=True)
+        self._start_pump(sb)
+
+    def _adopt(self, sb: Standby) -> bool:
+        """A forked standby's process, once it told its pid and is this launcher's child."""
+        if sb.proc is None and sb.told_pid is not None:
+            if _parent_of(sb.told_pid) == os.getpid():
+                sb.proc = ChildProcess(sb.told_pid)
+            else:
+                sb.failure = sb.failure or f"standby pid {sb.told_pid} is not the launcher's child"
+        return sb.proc is not None
+
+    def _fallback(self, reason: str) -> None:
+        """Forking is out for this job: say why once, spawn standbys from now on."""
+        forked = [sb for sb in self.standbys.values() if sb.forked]
+        for sb in forked:
+            del self.standbys[sb.local_rank]
+        if self.zygote is not None:
+            self.zygote.stop()
+            self.zygote = None
+        self.forking = False
+        self._emit("zygote_fallback", reason=reason, preload=self.cfg.ft.preload)
+        for sb in forked:
+            self._kill(sb)
 
     # -- inside ----------------------------------------------------------------------------
+
+    def _emit(self, name: str, **fields: Any) -> None:
+        if self._held is not None:
+            self._held.append((name, fields))
+        else:
+            self.event(name, **fields)
+
+    def _release_events(self) -> None:
+        # Events found while the launcher was being set up wait for its first event.
+        held, self._held = self._held, None
+        for name, fields in held or ():
+            self.event(name, **fields)
 
     def _learn_env(self, spec: WorkerSpec) -> None:
         env = dict(os.environ)
@@ -288,13 +551,13 @@ class StandbyPool:
                 return
             if local_rank not in self.standbys:
                 try:
-                    self.standbys[local_rank] = self._spawn(local_rank)
+                    self._spawn(local_rank)
                 except OSError as exc:  # out of processes or files: the job goes on cold
                     self._disable(f"cannot spawn a standby: {exc}")
                     return
                 starting += 1
 
-    def _spawn(self, local_rank: int) -> Standby:
+    def _spawn(self, local_rank: int) -> None:
         assert self.entry is not None
         nonce = secrets.token_hex(8)
         argv = [*self.entry.interpreter, "-c", BOOTSTRAP, nonce, str(self.cfg.run_dir.absolute()),
@@ -307,19 +570,25 @@ class StandbyPool:
         except OSError:
             log_file.close()
             raise
-        sb = Standby(local_rank, proc, nonce, time.monotonic(), _Sink(log_file, None))
+        assert proc.stdin is not None and proc.stdout is not None
+        sb = Standby(local_rank, nonce, time.monotonic(), _Sink(log_file, None), proc.stdin,
+                     proc.stdout, proc)
+        self._start_pump(sb)
+
+    def _start_pump(self, sb: Standby) -> None:
         sb.pump = threading.Thread(target=_pump, args=(sb,), daemon=True,
-                                   name=f"ft-standby-{local_rank}")
+                                   name=f"ft-standby-{sb.local_rank}")
         sb.pump.start()
-        log.debug("standby for local rank %d spawned: pid %d", local_rank, proc.pid)
-        return sb
+        self.standbys[sb.local_rank] = sb
+        log.debug("standby for local rank %d %s", sb.local_rank,
+                  "requested from the zygote" if sb.forked else f"spawned: pid {sb.pid}")
 
     def _report_ready(self, sb: Standby) -> None:
         sb.reported = True
         self._early_deaths[sb.local_rank] = 0
-        assert sb.ready_at is not None
+        assert sb.ready_at is not None and sb.pid is not None
         self.event("standby_ready", local_rank=sb.local_rank, pid=sb.pid,
-                   preload=self.cfg.ft.preload, import_s=sb.ready_s,
+                   preload=self.cfg.ft.preload, forked=sb.forked, import_s=sb.ready_s,
                    ready_s=round(sb.ready_at - sb.spawned_at, 3), threads=sb.threads,
                    **_memory(sb.pid))
 
@@ -330,22 +599,94 @@ class StandbyPool:
         if sb.failure:
             self._disable(f"preload failed: {sb.failure}")
             return
-        code = sb.proc.returncode
-        self.event("standby_died", local_rank=sb.local_rank, pid=sb.pid,
+        code = sb.proc.returncode if sb.proc is not None else None
+        self.event("standby_died", local_rank=sb.local_rank, pid=sb.pid, forked=sb.forked,
                    was_ready=sb.ready_at is not None,
-                   exit_code=code if code >= 0 else None,
-                   signal=_signal_name(-code) if code < 0 else None)
+                   exit_code=code if code is None or code >= 0 else None,
+                   signal=_signal_name(-code) if code is not None and code < 0 else None)
         if sb.ready_at is None:
             deaths = self._early_deaths.get(sb.local_rank, 0) + 1
             self._early_deaths[sb.local_rank] = deaths
             if deaths >= MAX_EARLY_DEATHS:
-                self._disable(f"the standby of local rank {sb.local_rank} died {deaths} "
-                              "times before it was ready")
+                why = (f"the standby of local rank {sb.local_rank} died {deaths} times before "
+                       "it was ready")
+                if sb.forked:
+                    self._early_deaths.clear()
+                    self._fallback(f"forked {why}")
+                else:
+                    self._disable(why)
+
+    def _kill(self, sb: Standby) -> None:
+        if sb.proc is not None:
+            try:
+                os.killpg(sb.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                sb.proc.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                log.warning("standby pid %d did not exit after SIGKILL", sb.proc.pid)
+        sb.stdin.close()
 
     def _disable(self, reason: str) -> None:
         self.enabled = False
-        self.event("warm_restart_disabled", reason=reason)
+        self._emit("warm_restart_disabled", reason=reason)
         self.close()
+
+
+def become_subreaper() -> bool:
+    """Make this process adopt its orphaned descendants (Linux ``PR_SET_CHILD_SUBREAPER``)."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return False
+    return prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """``/proc/PID/stat`` after the command name: state, ppid, pgrp, session, ..."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    return data[data.rfind(b")") + 2:].decode().split()
+
+
+def _parent_of(pid: int) -> int | None:
+    fields = _stat_fields(pid)
+    return int(fields[1]) if fields else None
+
+
+def reap_orphans() -> int:
+    """Reap exited orphans this process adopted as a subreaper; how many were reaped.
+
+    Only zombies of another session that do not lead it: every process the launcher starts
+    itself is either a session leader (workers, standbys, the zygote) or in the launcher's own
+    session (commands it runs), and their owners reap them. The peek (``WNOWAIT``) stops at
+    the first exited child that is not an orphan; its owner reaps it soon."""
+    mine = os.getsid(0)
+    reaped = 0
+    while True:
+        try:
+            info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return reaped
+        if info is None:
+            return reaped
+        fields = _stat_fields(info.si_pid)
+        session = int(fields[3]) if fields else None
+        if session is None or session in (info.si_pid, mine):
+            return reaped
+        os.waitpid(info.si_pid, os.WNOHANG)
+        reaped += 1
+
+
+def _float(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
 
 
 def _memory(pid: int) -> dict[str, float | None]:

@@ -19,6 +19,7 @@ import pytest
 from launch_helpers import (
     EXAMPLES,
     ROOT,
+    SCRIPTS,
     events,
     launcher_cmd,
     named,
@@ -28,8 +29,8 @@ from launch_helpers import (
     wait_for,
 )
 
-from ft_launcher import standby_worker
 from ft_launcher.standby import PythonEntry, _encode_record
+from ft_launcher.worker_side import standby as standby_worker
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -233,7 +234,9 @@ def test_warm_worker_sees_a_fresh_process(tmp_path, run_dir, mode):
     assert "preload's SIGTERM handler" not in log
     every_log = "".join(p.read_text() for p in (run_dir / "logs").rglob("*.log"))
     assert "@@ft-standby" not in every_log
-    assert "preload says hi" in (run_dir / "logs" / "standby" / "local_rank_0.log").read_text()
+    # The preloads ran once, in the zygote; its output has a log of its own.
+    assert "preload says hi" in (run_dir / "logs" / "standby" / "zygote.log").read_text()
+    assert all(e["forked"] for e in ready)
     # A normal exit leaves no standby behind.
     assert _gone([e["pid"] for e in ready])
 
@@ -277,10 +280,14 @@ def test_dead_standby_is_replaced_and_none_survives_launcher_sigkill(tmp_path, r
         assert again[0]["pid"] != victim and psutil.pid_exists(again[0]["pid"])
         standbys = [first[0]["pid"], again[0]["pid"]]
         workers = named(events(run_dir), "workers_started")[0]["pids"]
+        zygote = named(events(run_dir), "zygote_ready")[0]["pid"]
+        # Forked by the zygote, adopted by the launcher: the launcher is their parent.
         assert psutil.Process(standbys[0]).ppid() == proc.pid
-        proc.kill()  # SIGKILL: no finally runs; PDEATHSIG takes standbys and workers along
+        assert psutil.Process(zygote).ppid() == proc.pid
+        proc.kill()  # SIGKILL: no finally runs; PDEATHSIG takes every process along
         proc.wait(timeout=10)
-        wait_for(lambda: _gone(standbys + workers), 2, "standbys and workers to die")
+        wait_for(lambda: _gone([zygote, *standbys, *workers]), 2,
+                 "the zygote, standbys and workers to die")
     finally:
         proc.kill()
         proc.communicate()
@@ -301,6 +308,88 @@ deadline = time.monotonic() + 30
 while time.monotonic() < deadline and "warm_restart_disabled" not in path.read_text():
     time.sleep(0.05)
 '''
+
+
+# -- the zygote: standbys in milliseconds, refilled after each restart; unsafe -> spawned --
+
+KILL_ME = '''
+import time
+from ft_agent import RankMonitorClient
+
+ft = RankMonitorClient()
+ft.init_workload_monitoring()
+for _ in range(2400):
+    ft.send_heartbeat()
+    time.sleep(0.05)
+'''
+
+
+def test_zygote_forks_standbys_fast_and_refills_them_after_each_restart(tmp_path, run_dir):
+    script = tmp_path / "kill_me.py"
+    script.write_text(KILL_ME)
+    cmd = launcher_cmd(run_dir, "--nproc-per-node", "2", "--max-restarts", "2",
+                       "--ft-warm-restart", "--ft-preload", "json", str(script))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT)
+    try:
+        zygote = wait_for(lambda: named(events(run_dir), "zygote_ready"), 60, "the zygote")
+        assert zygote[0]["threads"] == 1
+        pids: list[int] = [zygote[0]["pid"]]
+        for cycle in (0, 1, 2):
+            # The first standbys come once the zygote is ready; after a restart the used ones
+            # are replaced at once, so a second fault soon after finds standbys again.
+            ready = wait_for(lambda c=cycle: _ready(run_dir, c) if len(_ready(run_dir, c)) >= 2
+                             else None, 30 if cycle == 0 else 10, f"standbys in cycle {cycle}")
+            assert sorted(e["local_rank"] for e in ready) == [0, 1]
+            assert all(e["forked"] and e["ready_s"] < 1.0 for e in ready), ready
+            pids += [e["pid"] for e in ready]
+            if cycle == 2:
+                break
+            victim = named(events(run_dir), "workers_started")[cycle]["pids"][1]
+            os.kill(victim, signal.SIGKILL)
+            started = wait_for(lambda c=cycle: named(events(run_dir), "workers_started")[c + 1:],
+                               30, f"the restart after cycle {cycle}")[0]
+            assert started["warm"] == [True, True]
+            assert sorted(started["pids"]) == sorted(e["pid"] for e in ready)
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+        wait_for(lambda: _gone(pids), 5, "the zygote and every standby to end")
+    finally:
+        proc.kill()
+        proc.communicate()
+
+
+EXIT_WHEN_READY = '''
+import json, os, sys, time
+from pathlib import Path
+from ft_agent import RankMonitorClient
+
+ft = RankMonitorClient()
+ft.init_workload_monitoring()
+ft.send_heartbeat()
+path = Path(os.environ["FT_RUN_DIR"]) / "events.jsonl"
+deadline = time.monotonic() + 60
+while os.environ["FT_CYCLE"] == "0" and time.monotonic() < deadline:
+    evs = [json.loads(line) for line in path.read_text().splitlines()]
+    if len([e for e in evs if e["event"] == "standby_ready"]) >= 2:
+        sys.exit(int(os.environ["RANK"]))  # rank 1 fails: a restart
+    time.sleep(0.05)
+'''
+
+
+def test_preload_that_starts_a_thread_falls_back_to_spawned_standbys(tmp_path, run_dir):
+    script = tmp_path / "exit_when_ready.py"
+    script.write_text(EXIT_WHEN_READY)
+    res = run_launcher(run_dir, "--nproc-per-node", "2", "--max-restarts", "1",
+                       "--ft-warm-restart", "--ft-preload", "json,thread_on_import",
+                       str(script), timeout=90, env={"PYTHONPATH": str(SCRIPTS)})
+    assert res.returncode == 0, res.stdout
+    evs = events(run_dir)
+    fallback = named(evs, "zygote_fallback")
+    assert len(fallback) == 1 and "started threads" in fallback[0]["reason"], fallback
+    assert not named(evs, "zygote_ready")
+    ready = named(evs, "standby_ready")
+    assert len(ready) >= 2 and not any(e["forked"] for e in ready)
+    assert [e["warm"] for e in named(evs, "workers_started")] == [[False, False], [True, True]]
 
 
 def test_failing_preload_disables_warm_restart_once(tmp_path, run_dir):
@@ -368,8 +457,8 @@ def test_activation_record_round_trip():
 
 def test_standby_worker_imports_nothing_heavy():
     """What the standby adds to a fresh interpreter's sys.modules is only itself."""
-    code = ("import sys; before = set(sys.modules); import ft_launcher.standby_worker; "
+    code = ("import sys; before = set(sys.modules); import ft_launcher.worker_side.standby; "
             "print(','.join(sorted(set(sys.modules) - before)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=ROOT, timeout=30, check=True).stdout
-    assert out.strip() == "ft_launcher,ft_launcher.standby_worker"
+    assert out.strip() == "ft_launcher,ft_launcher.worker_side,ft_launcher.worker_side.standby"

@@ -1,25 +1,32 @@
-"""Runs inside a warm-restart standby: import the preload modules, wait, become a worker.
+"""Runs inside a warm-restart standby: wait for an activation record, then become a worker.
 
-The launcher (``ft_launcher.standby``) starts this as
+A standby comes to life in one of two ways (``ft_launcher.standby`` decides):
 
-    python -u -c "from ft_launcher.standby_worker import main; main()" \\
-        NONCE RUN_DIR SYS_PATH0 PRELOAD
+- forked by the zygote (``zygote.py``), which imported the ``--ft-preload`` modules once;
+  the zygote calls ``serve`` in the new process;
+- spawned by the launcher when forking is not safe, as
 
-with the interpreter and flags of a cold worker, in its own session, stdin a pipe from the
-launcher, stdout and stderr one pipe to the launcher. It imports the comma-separated
-PRELOAD modules with ``sys.path[0]`` set to what the training script will see (the script's
-directory, or the working directory for ``-m``), tells the launcher it is ready and blocks
-on stdin. When a restart needs it, the launcher writes one activation record (working
-directory, ``-m`` or path, target, arguments, the full environment of the new cycle's
-rank); the standby then makes itself look like a freshly started ``python -u script.py``
-(or ``-m module``) and runs the script as ``__main__``:
+      python -u -c "from ft_launcher.worker_side.standby import main; main()" \\
+          NONCE RUN_DIR SYS_PATH0 PRELOAD
+
+  with the interpreter and flags of a cold worker, in its own session; ``main`` imports the
+  comma-separated PRELOAD modules with ``sys.path[0]`` set to what the training script will
+  see (the script's directory, or the working directory for ``-m``) and calls ``serve``.
+
+Either way stdin is a pipe from the launcher and stdout and stderr one pipe to it. The
+standby tells the launcher it is ready and blocks on stdin. When a restart needs it, the
+launcher writes one activation record (working directory, ``-m`` or path, target, arguments,
+the full environment of the new cycle's rank); the standby then makes itself look like a
+freshly started ``python -u script.py`` (or ``-m module``) and runs the script as
+``__main__``:
 
 - ``os.environ`` is replaced entirely, the working directory is set, fd 0 is ``/dev/null``;
-- signal dispositions and the signal mask are reset to what this interpreter had when it
+- signal dispositions and the signal mask are reset to what the interpreter had when it
   started (before any preload could change them): SIGINT raises KeyboardInterrupt,
   SIGPIPE and SIGXFSZ ignored, everything else default;
 - ``sys.argv``, ``sys.path[0]`` and a new ``__main__`` module are set up as the interpreter
-  does; this module removes itself from ``sys.modules`` first;
+  does; this package and whatever the zygote imported after the preloads leave
+  ``sys.modules`` first;
 - an uncaught exception prints its traceback (from the script's first frame) and exits 1,
   ``SystemExit`` and ``KeyboardInterrupt`` behave as in any interpreter.
 
@@ -36,10 +43,8 @@ Limits (what a preloaded module may not rely on):
 - A preload must not touch a GPU (the standby refuses to serve if it holds a ``/dev/nvidia*``
   file), start threads or processes, open sockets or files it keeps: all of them would
   survive into the worker.
-- ``sys.orig_argv`` and ``/proc/PID/cmdline`` still show the standby's command line.
-
-This module imports nothing beyond what a fresh interpreter already has loaded, so the
-script's ``sys.modules`` is a fresh interpreter's plus the preloads.
+- ``sys.orig_argv`` and ``/proc/PID/cmdline`` still show the standby's (or zygote's)
+  command line; forked standbys share the zygote's string hash seed.
 """
 
 import _signal  # not ``signal``: a fresh interpreter has only the C module loaded
@@ -51,7 +56,7 @@ import time
 EXIT_PRELOAD_FAILED = 3
 
 
-def _say(nonce: str, message: str) -> None:
+def say(nonce: str, message: str) -> None:
     """One message line to the launcher, straight to fd 1 so no buffer reorders it."""
     data = f"@@ft-standby {nonce} {message}\n".encode(errors="replace")
     while data:
@@ -76,7 +81,7 @@ def _read_record(fd: int = 0) -> list[bytes] | None:
     return data.split(b"\0")
 
 
-def _gpu_files() -> list[str]:
+def gpu_files() -> list[str]:
     """Open files that are GPU device nodes (a preload that created a GPU context)."""
     found = []
     try:
@@ -92,19 +97,33 @@ def _gpu_files() -> list[str]:
     return found
 
 
-def _preload(nonce: str, modules: list[str]) -> bool:
+def import_preloads(modules: list[str]) -> str | None:
+    """Import each module; ``"name: Error: message"`` for the first that fails, else None."""
     for name in modules:
         try:
             __import__(name)
         except BaseException as exc:  # noqa: BLE001 - any failure means: start cold
             text = " ".join(f"{type(exc).__name__}: {exc}".split())
-            _say(nonce, f"failed {name}: {text}")
-            return False
-    gpu = _gpu_files()
+            return f"{name}: {text}"
+    return None
+
+
+def _preload(nonce: str, modules: list[str]) -> bool:
+    failure = import_preloads(modules)
+    if failure is not None:
+        say(nonce, f"failed {failure}")
+        return False
+    gpu = gpu_files()
     if gpu:
-        _say(nonce, f"failed {','.join(modules)}: opened a GPU device ({gpu[0]})")
+        say(nonce, f"failed {','.join(modules)}: opened a GPU device ({gpu[0]})")
         return False
     return True
+
+
+def initial_signals() -> tuple[dict[int, object], set[int]]:
+    """The signal dispositions and mask this interpreter has now, to restore at activation."""
+    handlers = {s: _signal.getsignal(s) for s in _signal.valid_signals()}
+    return handlers, _signal.pthread_sigmask(_signal.SIG_BLOCK, [])
 
 
 def _restore_signals(handlers: dict[int, object], mask: set[int]) -> None:
@@ -167,8 +186,17 @@ def _script_traceback(tb, main_globals: dict):
     return tb
 
 
+def _forget_modules(extra: set[str]) -> None:
+    """Take this package (and what the zygote imported after the preloads) out of
+    ``sys.modules``, so the script finds only a fresh interpreter's modules and the preloads."""
+    for name in [m for m in sys.modules if m in extra or m.startswith("ft_launcher.worker_side")]:
+        sys.modules.pop(name, None)
+    if not any(m.startswith("ft_launcher.") for m in sys.modules):
+        sys.modules.pop("ft_launcher", None)
+
+
 def _become_worker(nonce: str, fields: list[bytes], handlers: dict[int, object],
-                   mask: set[int]) -> None:
+                   mask: set[int], forget: set[str]) -> None:
     text = [os.fsdecode(f) for f in fields]
     cwd, mode, target, nargs = text[0], text[1], text[2], int(text[3])
     args, env = text[4:4 + nargs], text[4 + nargs:]
@@ -181,10 +209,8 @@ def _become_worker(nonce: str, fields: list[bytes], handlers: dict[int, object],
     os.dup2(devnull, 0)
     os.close(devnull)
     _restore_signals(handlers, mask)
-    _say(nonce, "start")  # from here on, output belongs to the cycle's log
-    sys.modules.pop("ft_launcher.standby_worker", None)
-    if not any(m.startswith("ft_launcher.") for m in sys.modules):
-        sys.modules.pop("ft_launcher", None)
+    say(nonce, "start")  # from here on, output belongs to the cycle's log
+    _forget_modules(forget)
     run = _run_module if mode == "module" else _run_path
     try:
         run(target, args)
@@ -197,18 +223,28 @@ def _become_worker(nonce: str, fields: list[bytes], handlers: dict[int, object],
         sys.exit(1)
 
 
+def serve(nonce: str, handlers: dict[int, object], mask: set[int], started: float,
+          forget: frozenset[str] | set[str] = frozenset()) -> None:
+    """Tell the launcher this standby is ready, wait for the record, run the script.
+
+    The ready message carries the seconds since ``started`` and the thread count. Returns
+    when the script returns; exits 0 when the launcher closes stdin without a record.
+    """
+    threads = len(os.listdir("/proc/self/task"))
+    say(nonce, f"ready {time.monotonic() - started:.3f} {threads}")
+    fields = _read_record()
+    if fields is None:  # the launcher closed the pool
+        sys.exit(0)
+    _become_worker(nonce, fields, handlers, mask, set(forget))
+
+
 def main() -> None:
-    """Entry point of a standby process (see the module docstring)."""
+    """Entry point of a spawned standby process (see the module docstring)."""
     nonce, _run_dir, path0, preload = sys.argv[1:5]
     started = time.monotonic()
-    handlers = {s: _signal.getsignal(s) for s in _signal.valid_signals()}
-    mask = _signal.pthread_sigmask(_signal.SIG_BLOCK, [])
+    handlers, mask = initial_signals()
     sys.path[0] = path0  # where the script will import from, so local modules preload too
     modules = [m for m in preload.split(",") if m]
     if not _preload(nonce, modules):
         sys.exit(EXIT_PRELOAD_FAILED)
-    _say(nonce, f"ready {time.monotonic() - started:.3f} {len(os.listdir('/proc/self/task'))}")
-    fields = _read_record()
-    if fields is None:  # the launcher closed the pool
-        sys.exit(0)
-    _become_worker(nonce, fields, handlers, mask)
+    serve(nonce, handlers, mask, started)
