@@ -192,26 +192,30 @@ def cold_job(tmp_path_factory):
 
 
 def test_warm_standby_holds_no_cuda_context(warm_job, record_property):
+    """Observed two ways, each with the worker as positive control: NVML's process list and
+    the /dev/nvidia* files each process holds open. At least one must be able to see the
+    worker's context, and neither may see one in the standby."""
     seen = warm_job.seen
     contexts, worker, standby = seen["contexts"], seen["worker"], seen["standby"]
     new = contexts - seen["baseline"]
     record(record_property, "nvml_context_pids", sorted(contexts))
+    methods = []
     if worker in contexts:
         # NVML shows this pid namespace's pids: the worker is there, the standby is not.
-        method = "NVML process list (by pid)"
         assert standby not in contexts, f"standby {standby} holds a CUDA context: {contexts}"
+        methods.append("NVML process list by pid")
     elif new:
-        # NVML reports host pids (a container): count contexts instead. The job added
+        # NVML reports the host's pids (a container): count contexts instead. The job added
         # exactly one, the worker's; a standby with a context would add a second.
-        method = "NVML process list (count: pids are the host's)"
         assert len(new) == 1, f"{len(new)} new CUDA contexts for 1 worker + 1 standby: {new}"
-    else:
-        pytest.fail(f"NVML lists no CUDA context even for the worker {worker} (contexts "
-                    f"{sorted(contexts)}): cannot check the standby this way here")
-    record(record_property, "standby_check", method)
-    # Second, independent sight: the worker holds /dev/nvidia* open, the standby none.
-    assert seen["worker_files"], "the worker holds no /dev/nvidia* file (positive control)"
-    assert seen["standby_files"] == [], seen["standby_files"]
+        methods.append("NVML process list by count (host pids)")
+    if seen["worker_files"]:
+        assert seen["standby_files"] == [], f"the standby holds {seen['standby_files']}"
+        methods.append("/dev/nvidia* files held open")
+    record(record_property, "standby_checked_by", "; ".join(methods) or "nothing")
+    assert methods, (f"cannot see the worker's own CUDA context here (NVML pids "
+                     f"{sorted(contexts)}, worker {worker} holds no /dev/nvidia* file): "
+                     "the standby could not be checked")
 
 
 def _recovery(job: Job, record_property, name: str) -> float:
@@ -323,8 +327,8 @@ def test_launcher_collects_the_nccl_trace_next_to_the_python_stacks(hang_job):
 
 def test_train_ddp_on_nccl_recovers_from_a_simulated_kill(run_dir):
     res = run_launcher(run_dir, "--nproc-per-node", "1", "--max-restarts", "2",
-                       "--ft-simulated-fault", "rank_killed:base_delay=15,rank=0",
-                       str(EXAMPLES / "train_ddp.py"), "--device", "cuda", "--steps", "600",
+                       "--ft-simulated-fault", "rank_killed:base_delay=20,rank=0",
+                       str(EXAMPLES / "train_ddp.py"), "--device", "cuda", "--steps", "900",
                        "--ckpt-every", "10", "--step-time", "0.02", timeout=240)
     assert res.returncode == 0, f"launcher exit {res.returncode}:\n{res.stdout[-3000:]}"
     log0 = (run_dir / "logs" / "cycle_0" / "rank_0.log").read_text()
