@@ -15,6 +15,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -311,6 +312,20 @@ def test_torch_writes_the_flight_recorder_where_nccl_trace_collects_it(hang_job,
     record(record_property, "flight_recorder_bytes", len(data))
     assert _is_flight_recorder_dump(data), data[:200]
     assert b"all_reduce" in data or b"allreduce" in data, "DDP's all-reduces are recorded"
+
+
+def test_flight_recorder_dump_reads_with_torchfrtrace(hang_job, tmp_path):
+    probe = hang_job.seen["probe"]
+    assert 0 in probe.collected, f"no dump collected: {probe.missing}"
+    # torchfrtrace wants <prefix><rank> files in one folder (the README shows the same).
+    folder = tmp_path / "fr"
+    folder.mkdir()
+    (folder / "rank_0").write_bytes(probe.collected[0].read_bytes())
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace",
+                          str(folder), "--prefix", "rank_", "-j"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "all_reduce" in res.stdout or "allreduce" in res.stdout, res.stdout[-2000:]
 
 
 def test_launcher_collects_the_nccl_trace_next_to_the_python_stacks(hang_job):
