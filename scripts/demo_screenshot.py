@@ -5,7 +5,7 @@
     python scripts/demo_screenshot.py [--out docs/timeline.png] [--keep-run-dir]
 
 Needs the ``report`` extra (plotly) and chromium (``apt-get install -y chromium``). Takes
-about 30 s on 2 cores. Every process it starts is waited for or killed by its group.
+about a minute on 2 cores. Every process it starts is waited for or killed by its group.
 """
 
 from __future__ import annotations
@@ -21,10 +21,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
-# The README's demo: 2 ranks of DDP on CPU, rank 1 SIGKILLed once every rank is training.
+# The README's demo (2 ranks of DDP on CPU, rank 1 SIGKILLed 10 s after every rank is
+# training), run longer so the kill lands mid-training even on a slow, busy machine.
 DEMO = ["--nproc-per-node", "2", "--max-restarts", "3", "--ft-rank-heartbeat-timeout", "10",
-        "--ft-simulated-fault", "rank_killed:base_delay=4,rank=1",
-        str(ROOT / "examples" / "train_ddp.py"), "--steps", "300", "--step-time", "0.02"]
+        "--ft-simulated-fault", "rank_killed:base_delay=10,rank=1",
+        str(ROOT / "examples" / "train_ddp.py"), "--steps", "800", "--step-time", "0.02"]
 
 
 def run_group(cmd: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
