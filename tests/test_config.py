@@ -380,3 +380,16 @@ def test_agent_config_import_stays_light():
                          timeout=60)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "60.0"
+
+
+def test_readme_porting_section_names_every_nvrx_setting():
+    from launch_helpers import ROOT
+
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Porting from NVRx", 1)[1].split("\n## ", 1)[0]
+    for key in [*agent_config.NVRX_NOT_APPLICABLE, *NVRX_KEYS]:
+        assert f"`{key}`" in section, key
+    for flag in agent_config.NVRX_LAUNCHER_FLAGS_NOT_APPLICABLE:
+        parts = flag.split("-")  # families such as --ft-attribution-* are named once
+        families = {f"`--ft-{'-'.join(parts[:n])}-*`" for n in range(1, len(parts))}
+        assert f"`--ft-{flag}`" in section or any(f in section for f in families), flag
