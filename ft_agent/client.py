@@ -133,7 +133,7 @@ class RankMonitorClient:
         if not reply["ok"]:
             self._close()
             raise RankMonitorClientError(f"monitor refused this rank: {reply.get('error')}")
-        self.timeouts = dict(reply.get("timeouts") or {})
+        self._absorb(reply)
         self._register_stack_dump(reply)
         self._enabled = True
         if self._pending_state is not None:
@@ -336,11 +336,20 @@ class RankMonitorClient:
         if reply is None:
             log.warning("rank %d: monitor did not answer %s request", self.rank, kind)
             return None
-        if isinstance(reply.get("timeouts"), dict):
-            self.timeouts = dict(reply["timeouts"])
+        self._absorb(reply)
         if not reply["ok"] and reply.get("error"):
             log.warning("rank %d: %s: %s", self.rank, kind, reply["error"])
         return reply
+
+    def _absorb(self, reply: dict[str, Any]) -> None:
+        """Take the timeouts in force from a config reply or an ack; when the monitor says
+        which of them are calculated (``calculated``: kinds such as "heartbeat",
+        "section:step"), that is what ``hb_timeouts``/``section_timeouts`` report."""
+        if isinstance(reply.get("timeouts"), dict):
+            self.timeouts = dict(reply["timeouts"])
+        kinds = reply.get("calculated")
+        if isinstance(kinds, list) and all(isinstance(k, str) for k in kinds):
+            self._marks = nvrx_types.marks_from_kinds(kinds)
 
     def _wait_for(self, kinds: set[str], req: int | None) -> dict[str, Any] | None:
         import zmq

@@ -134,6 +134,15 @@ class CalculatedMarks:
     out_of_section: bool = False
 
 
+def marks_from_kinds(kinds: list[str]) -> CalculatedMarks:
+    """Marks from the monitor's list of calculated timeout kinds ("initial", "heartbeat",
+    "out_of_section", "section:<name>")."""
+    return CalculatedMarks(heartbeat="heartbeat" in kinds,
+                           sections={k[len("section:"):] for k in kinds
+                                     if k.startswith("section:")},
+                           out_of_section="out_of_section" in kinds)
+
+
 def heartbeat_timeouts(timeouts: Mapping[str, Any], marks: CalculatedMarks) -> HeartbeatTimeouts:
     """The heartbeat view of the monitor's timeouts dict."""
     return HeartbeatTimeouts(_seconds_or_none(timeouts.get(INITIAL_KEY)),

@@ -102,6 +102,9 @@ def test_views_of_the_monitors_timeouts():
     assert sec.section == {"step": 2.0, "init": None} and sec.calculated_sections == {"step"}
     assert sec.out_of_section is None and not sec.are_valid
     assert not nvrx_types.heartbeat_timeouts({}, nvrx_types.CalculatedMarks()).are_valid
+    # When the monitor names the calculated kinds, they are what the views report.
+    assert nvrx_types.marks_from_kinds(["initial", "heartbeat", "section:step"]) == \
+        nvrx_types.CalculatedMarks(True, {"step"}, False)
 
 
 # -- the checkpoint layout, both ways (fast) ----------------------------------------------------
