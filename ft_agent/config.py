@@ -38,6 +38,9 @@ DEFAULT_MIN_LEARNED_TIMEOUT_S = 60.0
 MAX_SECONDS = 30 * 24 * 3600.0
 MAX_SAFETY_FACTOR = 1000.0
 MAX_YAML_BYTES = 1 << 20
+# As many named sections as the monitor keeps apart, and as long a name.
+MAX_SECTIONS = 256
+MAX_SECTION_NAME_LEN = 128
 NONE_WORDS = ("none", "null", "off", "")
 HEARTBEAT_KEYS = ("initial_rank_heartbeat_timeout", "rank_heartbeat_timeout")
 SECTION_KEYS = ("rank_section_timeouts", "rank_out_of_section_timeout")
@@ -95,7 +98,14 @@ def parse_section_timeouts(name: str, value: Any) -> dict[str, float | None]:
             items.append((section.strip(), seconds.strip()))
     else:
         raise ConfigError(f"{name}: expected a mapping or name:seconds list, got {value!r}")
-    return {str(k): parse_timeout(f"{name}[{k}]", v) for k, v in items}
+    if len(items) > MAX_SECTIONS:
+        raise ConfigError(f"{name}: {len(items)} sections, more than {MAX_SECTIONS}")
+    for section, _ in items:
+        if not isinstance(section, str) or not 0 < len(section) <= MAX_SECTION_NAME_LEN \
+                or not section.isprintable():
+            raise ConfigError(f"{name}: section name {str(section)[:40]!r} is not 1 to "
+                              f"{MAX_SECTION_NAME_LEN} printable characters")
+    return {k: parse_timeout(f"{name}[{k}]", v) for k, v in items}
 
 
 def parse_signal(name: str, value: Any) -> signal.Signals:

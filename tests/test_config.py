@@ -63,6 +63,17 @@ def test_section_timeouts_are_checked_per_section(text):
         build_ft_config(None, {"rank_section_timeouts": text})
 
 
+@pytest.mark.parametrize(("value", "error"), [
+    ({f"s{i}": 1 for i in range(300)}, "300 sections, more than 256"),
+    ({"x" * 200: 1}, "is not 1 to 128 printable"),
+    ({"a\x1bb": 1}, "is not 1 to 128 printable"),
+    ({5: 1}, "is not 1 to 128 printable"),
+])
+def test_section_timeouts_are_bounded(value, error):
+    with pytest.raises(ConfigError, match=error):
+        agent_config.parse_section_timeouts("rank_section_timeouts", value)
+
+
 def test_section_timeouts_in_yaml_name_the_section(tmp_path):
     path = yaml_file(tmp_path, "fault_tolerance:\n  rank_section_timeouts: {step: .nan}\n")
     with pytest.raises(ConfigError, match=r"rank_section_timeouts\[step\]: must be a finite"):
