@@ -187,6 +187,15 @@ class RerunStateMachine:
         # that the loader resumed at the step's first sample.
         self._expected_microbatches: list[list[Any]] | None = None
         self._resume_checked: bool = False
+        # Flag tensors reused by _reduce_any (one per length), and the pass handlers.
+        self._flag_buffers: dict[int, torch.Tensor] = {}
+        self._handlers: dict[RerunState, Callable[[list[RerunDataIterator]], bool]] = {
+            RerunState.NOT_RUNNING_YET: self._start_step,
+            RerunState.INITIAL_RUN: self._end_initial_run,
+            RerunState.RERUNNING_IN_PLACE: self._end_rerun_in_place,
+            RerunState.WILL_RERUN_FROM_CHECKPOINT: self._start_rerun_from_checkpoint,
+            RerunState.RERUNNING_FROM_CHECKPOINT: self._end_rerun_from_checkpoint,
+        }
         self._reset_step()
         logger.warning("rerun state machine initialised in mode %s", self.mode.name)
 
@@ -239,14 +248,7 @@ class RerunStateMachine:
         if not self._resume_checked:
             self._resume_checked = True
             self._check_resume_agreement()
-        handlers = {
-            RerunState.NOT_RUNNING_YET: self._start_step,
-            RerunState.INITIAL_RUN: self._end_initial_run,
-            RerunState.RERUNNING_IN_PLACE: self._end_rerun_in_place,
-            RerunState.WILL_RERUN_FROM_CHECKPOINT: self._start_rerun_from_checkpoint,
-            RerunState.RERUNNING_FROM_CHECKPOINT: self._end_rerun_from_checkpoint,
-        }
-        return handlers[self.state](iterators)
+        return self._handlers[self.state](iterators)
 
     def should_checkpoint_and_exit(self) -> tuple[bool, bool, int]:
         """After the loop: ``(save a checkpoint?, exit?, exit code)``.
@@ -848,9 +850,15 @@ class RerunStateMachine:
         """Logical OR across the world when torch.distributed is initialised."""
         values = value if isinstance(value, list) else [value]
         if torch.distributed.is_available() and torch.distributed.is_initialized():
-            flags = torch.tensor(
-                [int(v) for v in values], dtype=torch.int32, device=_collective_device()
-            )
+            device = _collective_device()
+            flags = self._flag_buffers.get(len(values))
+            if flags is None or flags.device.type != device:
+                flags = torch.zeros(len(values), dtype=torch.int32, device=device)
+                self._flag_buffers[len(values)] = flags
+            if device == "cpu":
+                flags.numpy()[:] = values  # no tensor construction on the hot path
+            else:
+                flags.copy_(torch.tensor(values, dtype=torch.int32))
             torch.distributed.all_reduce(flags)
             values = [x > 0 for x in flags.tolist()]
         return values if isinstance(value, list) else values[0]
