@@ -1,8 +1,9 @@
 """The run directory: events.jsonl, summary.json, ft_state.json, per-cycle logs and stacks.
 
 Trust: the launcher uses a run directory (and ``--log-dir``, ``stacks/``, ``ipc/``) only
-when it belongs to the launcher's user and nobody else can write to it, so nobody else can
-plant a symlink or a fake socket there; ``ipc/`` is 0700. Files the launcher writes are
+when it belongs to the launcher's user and others cannot write to it, so nobody else can
+plant a symlink or a fake socket there (a group-writable one of ours, as a umask of 002
+makes, loses its group write bit); ``ipc/`` is 0700. Files the launcher writes are
 opened with O_NOFOLLOW (or created under a fresh name and renamed).
 
 One launcher at a time: ``launcher.lock`` is held (flock) for the launcher's life and names
@@ -87,10 +88,14 @@ def check_private_dir(path: Path, what: str, mode: int | None = None) -> None:
         raise RunDirError(f"{what} {path} is owned by {_owner_name(st.st_uid)}, not by this "
                           f"user ({_owner_name(me)}); refusing to use it (choose another "
                           "--ft-run-dir)")
-    if st.st_mode & 0o022:
-        raise RunDirError(f"{what} {path} is writable by group or others (mode "
+    if st.st_mode & 0o002:
+        raise RunDirError(f"{what} {path} is writable by others (mode "
                           f"{stat.S_IMODE(st.st_mode):o}); refusing to use it "
-                          f"(chmod go-w {path}, or choose another directory)")
+                          f"(chmod o-w {path}, or choose another directory)")
+    if st.st_mode & 0o020:  # ours, group-writable (a umask of 002): made private here
+        os.chmod(path, stat.S_IMODE(st.st_mode) & ~0o020)
+        log.warning("%s %s was writable by its group; removed that (mode %o)", what, path,
+                    stat.S_IMODE(st.st_mode) & ~0o020)
     if mode is not None and stat.S_IMODE(st.st_mode) != mode:
         raise RunDirError(f"{what} {path} has mode {stat.S_IMODE(st.st_mode):o}, expected "
                           f"{mode:o}")
@@ -111,10 +116,13 @@ def _check_parent(path: Path, what: str) -> None:
 
 def _make_dir(path: Path, what: str, mode: int = 0o755) -> None:
     try:
-        path.mkdir(mode=mode, parents=True, exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _check_parent(path, what)  # before creating anything in it
+        path.mkdir(mode=mode, exist_ok=True)
+    except RunDirError:
+        raise
     except OSError as exc:
         raise RunDirError(f"{what} {path}: {exc.strerror or exc}") from None
-    _check_parent(path, what)
     check_private_dir(path, what)
 
 

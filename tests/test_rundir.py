@@ -132,12 +132,29 @@ def test_a_finished_run_dir_reused_by_the_launcher_records_attempt_2(run_dir: Pa
 # -- trust: modes, symlinks, other users ------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", [0o777, 0o775, 0o757])
+@pytest.mark.parametrize("mode", [0o777, 0o757, 0o1777])
 def test_a_run_dir_writable_by_others_is_refused(run_dir: Path, mode: int):
     run_dir.mkdir()
     os.chmod(run_dir, mode)
-    with pytest.raises(RunDirError, match="writable by group or others"):
+    with pytest.raises(RunDirError, match="is writable by others"):
         RunDir(run_dir)
+
+
+def test_a_group_writable_run_dir_of_ours_is_made_private(run_dir: Path):
+    """A umask of 002 (mkdir -p in a batch script) makes run dirs group-writable."""
+    run_dir.mkdir()
+    os.chmod(run_dir, 0o775)
+    RunDir(run_dir).close()
+    assert run_dir.stat().st_mode & 0o777 == 0o755
+
+
+def test_a_parent_writable_by_all_without_sticky_bit_is_refused(tmp_path: Path):
+    parent = tmp_path / "open"
+    parent.mkdir()
+    os.chmod(parent, 0o777)
+    with pytest.raises(RunDirError, match="without the sticky bit"):
+        RunDir(parent / "run")
+    assert not (parent / "run").exists()
 
 
 def test_a_symlinked_events_file_is_never_followed(run_dir: Path, tmp_path: Path):
