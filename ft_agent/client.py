@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import json
 import logging
 import os
 import socket
@@ -35,6 +36,8 @@ REQUEST_TIMEOUT_S = 10.0
 # Heartbeats queued while the monitor is unreachable; beyond this they are dropped.
 SEND_HWM = 1000
 SHUTDOWN_LINGER_MS = 2000
+# A fire-and-forget report needs a moment on ZeroMQ's I/O thread before the process exits.
+REPORT_FLUSH_S = 0.2
 
 
 class RankMonitorClientError(RuntimeError):
@@ -139,7 +142,7 @@ class RankMonitorClient:
         if self._pending_state is not None:
             self._set_timeouts(self._pending_state)
             self._pending_state = None
-        _arm_simulated_exit(os.environ.get("FT_SIMULATED_FAULT", ""))
+        _arm_simulated_exit(os.environ.get("FT_SIMULATED_FAULT", ""), self.send_report)
         log.debug("rank %d cycle %d: connected to %s", self.rank, self.cycle, endpoint)
 
     def shutdown_workload_monitoring(self) -> None:
@@ -392,11 +395,13 @@ class RankMonitorClient:
             self._sock = None
 
 
-def _arm_simulated_exit(spec: str) -> None:
-    """``rank_exit:code=N,at=T`` from the launcher: exit with N at wall time T.
+def _arm_simulated_exit(spec: str, report: Any) -> None:
+    """``rank_exit:code=N,delay=D`` from the launcher: exit with N, D seconds from now (the
+    rank connecting to its monitor is when its training starts).
 
     Signals can kill or stop a process from outside but cannot choose its exit code, so
-    this one simulated fault is carried out by the rank itself.
+    this one simulated fault is carried out by the rank itself; ``report(what, message)``
+    puts it on the launcher's record first, as ``fault_injected``.
     """
     if not spec:
         return
@@ -405,13 +410,16 @@ def _arm_simulated_exit(spec: str) -> None:
         if spec.startswith(simulated_fault.EXIT_FAULT):
             log.warning("ignoring malformed FT_SIMULATED_FAULT=%r", spec)
         return
-    code, at = parsed
+    code, delay = parsed
 
     def fire() -> None:
         log.warning("simulated fault: rank exits with %d", code)
+        report("simulated_fault", json.dumps(
+            {"fault_type": simulated_fault.EXIT_FAULT, "at": time.time(), "code": code}))
+        time.sleep(REPORT_FLUSH_S)  # the I/O thread puts the report on the wire
         os._exit(code)
 
-    timer = threading.Timer(max(0.0, at - time.time()), fire)
+    timer = threading.Timer(delay, fire)
     timer.daemon = True
     timer.start()
 

@@ -48,7 +48,7 @@ else:
     )
 
 from ft_agent import simulated_fault
-from ft_agent.client import RankMonitorClient, get_client
+from ft_agent.client import REPORT_FLUSH_S, RankMonitorClient, get_client
 
 __all__ = [
     "FINISHED_FLAG_ENV",
@@ -66,9 +66,6 @@ FAULT_TYPES = ("random", "rank_killed", "rank_hung")
 # Timeouts calculated from fewer training iterations than this would rest on the start-up
 # intervals alone; such a run is not used.
 MIN_ITERS_FOR_TIMEOUTS = 2
-# A report is fire-and-forget; give ZeroMQ's I/O thread a moment to put it on the wire before
-# the simulated fault kills or stops this whole process (I/O thread included).
-REPORT_FLUSH_S = 0.2
 
 
 # -- simulated faults ------------------------------------------------------------------------

@@ -36,21 +36,22 @@ def draw(seed: str, cycle: int, world_size: int, fault_type: str, base_delay: fl
     return Draw(fault_type, drawn if rank is None else rank, delay)
 
 
-def exit_fault_value(code: int, at: float) -> str:
-    """``FT_SIMULATED_FAULT`` for a rank that must exit with ``code`` at wall time ``at``."""
-    return f"{EXIT_FAULT}:code={code},at={at:.6f}"
+def exit_fault_value(code: int, delay: float) -> str:
+    """``FT_SIMULATED_FAULT`` for a rank that must exit with ``code``, ``delay`` seconds after
+    it starts training (connects to the launcher's monitor)."""
+    return f"{EXIT_FAULT}:code={code},delay={delay:.6f}"
 
 
 def parse_exit_fault(value: str) -> tuple[int, float] | None:
-    """(code, at) from ``FT_SIMULATED_FAULT``; None when it arms no valid ``rank_exit``."""
+    """(code, delay) from ``FT_SIMULATED_FAULT``; None when it arms no valid ``rank_exit``."""
     kind, _, rest = value.partition(":")
     if kind != EXIT_FAULT:
         return None
     fields = dict(p.split("=", 1) for p in rest.split(",") if "=" in p)
     try:
-        code, at = int(fields["code"]), float(fields["at"])
+        code, delay = int(fields["code"]), float(fields["delay"])
     except (KeyError, ValueError):
         return None
-    if not 1 <= code <= 255 or not math.isfinite(at):
+    if not 1 <= code <= 255 or not math.isfinite(delay) or delay < 0:
         return None
-    return code, at
+    return code, delay

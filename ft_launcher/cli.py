@@ -123,14 +123,17 @@ FT_OPTIONS = [
     ("--ft-simulated-fault", "simulated_fault",
      "Inject a fault: TYPE[:key=value,...], TYPE rank_killed|rank_hung|random|rank_exit|"
      "rank_slow, keys base_delay, rand_delay, rank, cycles (N, A-B, all), seed, code "
-     "(rank_exit), factor and duration (rank_slow: 1/factor speed for duration s)."),
+     "(rank_exit), factor and duration (rank_slow: 1/factor speed for duration s). "
+     "base_delay counts from the moment every rank is training (first heartbeat, section "
+     "or progress report); for a script without ft_agent, from the spawn."),
     ("--ft-skip-bad-iterations", "skip_bad_iterations",
      "On a validation failure that reproduces on other hardware, restart and skip it."),
     ("--ft-max-no-progress-cycles", "max_no_progress_cycles",
      "Stop with exit 18 after this many cycles without checkpoint progress."),
     ("--ft-checkpoint-iteration-file", "checkpoint_iteration_file",
      "File holding the last checkpointed iteration (written by the training)."),
-    ("--ft-warm-restart", "warm_restart", "Keep standby workers with imports done."),
+    ("--ft-warm-restart/--no-ft-warm-restart", "warm_restart",
+     "Keep standby workers with imports done, forked from a zygote."),
     ("--ft-preload", "preload", "Modules standby workers import [torch]."),
     ("--ft-straggler-threshold", "straggler_threshold",
      "A rank whose median section time is this many times the other ranks' is a "

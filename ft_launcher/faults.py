@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import signal
-import time
 from dataclasses import dataclass
 
 from ft_agent import simulated_fault
@@ -41,17 +40,46 @@ class FaultPlan:
         return self.cycles is None or cycle in self.cycles
 
 
+# A script that has not connected to the monitor this long after its spawn is taken to not
+# use ft_agent (see ArmedFault.start_clock).
+NO_AGENT_AFTER_S = 30.0
+
+
 @dataclass
 class ArmedFault:
-    """The fault of one cycle: what, to whom, when (wall clock)."""
+    """The fault of one cycle: what, to whom, and how long after the training started."""
 
     fault_type: str  # resolved: never "random"
     rank: int
-    at: float
+    delay: float
     code: int = 1
     fired: bool = False
     factor: float | None = None  # rank_slow
     duration: float | None = None  # rank_slow
+    at: float | None = None  # wall clock, once the delay's start is known
+
+    @property
+    def by_launcher(self) -> bool:
+        """Delivered from outside (signals); a rank_exit is carried out by the rank."""
+        return self.fault_type != "rank_exit"
+
+    def start_clock(self, spawned_at: float, training_at: float | None, connected: bool,
+                    now: float) -> None:
+        """Fix ``at`` once its start is known (wall clock): when every rank is training
+        (its first heartbeat, section or progress report). A script that never uses
+        ft_agent has no such moment; the launcher concludes that no rank will connect only
+        ``NO_AGENT_AFTER_S`` after the spawn (imports alone can take many seconds), and the
+        delay then counts from the spawn."""
+        if self.at is not None:
+            return
+        if training_at is not None:
+            self.at = training_at + self.delay
+        elif not connected and now >= self.no_agent_due(spawned_at):
+            self.at = self.no_agent_due(spawned_at)
+
+    def no_agent_due(self, spawned_at: float) -> float:
+        """When the fault fires for a script that never connects to the monitor."""
+        return spawned_at + max(self.delay, NO_AGENT_AFTER_S)
 
     @property
     def signum(self) -> int:
@@ -59,7 +87,7 @@ class ArmedFault:
 
     def env_value(self) -> str:
         """FT_SIMULATED_FAULT for the victim (read by ft_agent for rank_exit)."""
-        return simulated_fault.exit_fault_value(self.code, self.at)
+        return simulated_fault.exit_fault_value(self.code, self.delay)
 
 
 def _number(key: str, value: str, kind: type) -> float | int:
@@ -163,5 +191,5 @@ def arm(plan: FaultPlan, cycle: int, world_size: int, run_id: str) -> ArmedFault
     fault = simulated_fault.draw(seed, cycle, world_size, plan.fault_type, plan.base_delay,
                                  plan.rand_delay, plan.rank)
     fault_type, rank, delay = fault.fault_type, fault.rank, fault.delay
-    return ArmedFault(fault_type, rank, time.time() + delay, plan.code,
+    return ArmedFault(fault_type, rank, delay, plan.code,
                       factor=plan.factor, duration=plan.duration)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -178,6 +179,10 @@ class Monitor:
     def all_training(self) -> bool:
         return self.liveness.all_training()
 
+    def any_connected(self) -> bool:
+        """Some rank of the cycle said hello (the script uses ft_agent)."""
+        return any(s.identity is not None for s in self.slots.values())
+
     def all_connected(self) -> bool:
         """Every rank of the cycle said hello (so none waits for a reply)."""
         return all(s.identity is not None for s in self.slots.values())
@@ -298,7 +303,11 @@ class Monitor:
         try:
             fault = json.loads(message)
             fields = {"fault_type": str(fault["fault_type"])[:40], "at": float(fault["at"])}
-        except (ValueError, KeyError, TypeError, RecursionError):
+            if "code" in fault:
+                fields["code"] = int(fault["code"])
+            if not math.isfinite(fields["at"]):
+                raise ValueError("at is not finite")
+        except (ValueError, KeyError, TypeError, RecursionError, OverflowError):
             self._count("malformed", f"simulated_fault report {message[:80]!r}")
             return
         self.events("fault_injected", rank=slot.rank, pid=slot.pid, source="agent", **fields)

@@ -230,7 +230,7 @@ class Supervisor:
         self.event("workers_started", ranks=[w.rank for w in group.workers],
                    pids=[w.pid for w in group.workers], device_map=self.job.device_map(),
                    warm=[w.warm for w in group.workers])
-        result = self._watch(group, armed)
+        result = self._watch(group, armed if armed is not None and armed.by_launcher else None)
         if result.outcome is Outcome.SUCCEEDED:
             group.kill_all()  # exited leaders may have left children in their groups
         else:
@@ -302,14 +302,16 @@ class Supervisor:
         next_peer_check = time.monotonic() + interval
         batch_until = 0.0
         queued_since: float | None = None  # when the socket last had more than one batch
-        training = False
+        training_at: float | None = None  # wall clock: every rank showed activity
+        spawned_at = max(w.started_at for w in group.workers)
         while True:
             timeout = interval
             deadline = self.monitor.next_deadline()
             if deadline is not None:
                 timeout = min(timeout, deadline - time.monotonic())
             if armed is not None and not armed.fired:
-                timeout = min(timeout, armed.at - time.time())
+                due = armed.at if armed.at is not None else armed.no_agent_due(spawned_at)
+                timeout = min(timeout, due - time.time())
             # Messages carry their send time, so they can wait a moment and be drained
             # in batches: one wake-up per MESSAGE_BATCH_S instead of one per heartbeat.
             # Signals (a worker's death) and deadlines still wake the loop at once.
@@ -334,18 +336,20 @@ class Supervisor:
                            cause="backlog")
             queued_since = None if empty else (queued_since or now)
             may_judge = queued_since is None or now - queued_since > MAX_JUDGE_DELAY_S
-            # Before exits: a rank_exit fault and the rank's own exit happen at the same time.
-            if armed is not None and not armed.fired and time.time() >= armed.at:
-                self._inject(group, armed)
+            if training_at is None and self.monitor.all_training():
+                training_at = time.time()
+                self.event("training_started")
+            if armed is not None and not armed.fired:
+                armed.start_clock(spawned_at, training_at, self.monitor.any_connected(),
+                                  time.time())
+                if armed.at is not None and time.time() >= armed.at:
+                    self._inject(group, armed)
             result = (self._check_signals(group) or self._check_exits(group)
                       or self._check_controls() or (may_judge and self._check_hang(group)))
             if result:
                 return result
-            if not training and self.monitor.all_training():
-                training = True
-                self.event("training_started")
             # Standbys are spawned once every rank is training (first heartbeat or section).
-            self.standbys.tick(training)
+            self.standbys.tick(training_at is not None)
             if time.monotonic() >= next_peer_check:
                 next_peer_check = time.monotonic() + interval
                 if self.rdzv.num_nodes_waiting() > 0:
@@ -417,13 +421,11 @@ class Supervisor:
         victim = next((w for w in group.workers if w.rank == armed.rank), None)
         if victim is None or not victim.alive:
             return
-        if armed.fault_type != "rank_exit":
-            group.signal_process(victim, victim.pid, armed.signum)
+        group.signal_process(victim, victim.pid, armed.signum)
         self.faults_seen.append({"cycle": self.cycle, "kind": "injected",
                                  "fault_type": armed.fault_type, "rank": armed.rank})
         self.event("fault_injected", rank=armed.rank, fault_type=armed.fault_type,
-                   pid=victim.pid, at=round(armed.at, 6),
-                   **({"code": armed.code} if armed.fault_type == "rank_exit" else {}))
+                   pid=victim.pid, at=round(armed.at or time.time(), 6), delay=armed.delay)
 
     def _handle_hang(self, group: WorkerGroup, verdict: HangVerdict) -> HangVerdict:
         """Capture every rank's stacks, choose the culprit among the silent ranks, kill it.

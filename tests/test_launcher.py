@@ -262,7 +262,7 @@ def test_bad_input_is_one_clear_error(tmp_path):
     err = _launch_error(["--ft-simulated-fault", "rank_exploded", script]).stderr
     assert "unknown fault type 'rank_exploded'" in err
     err = _launch_error(["--ft-rank-heartbeat-timeout", "-3", script]).stderr
-    assert "--ft-rank-heartbeat-timeout: must be positive" in err
+    assert "--ft-rank-heartbeat-timeout: must be greater than 0" in err
     for res_err in (err,):
         assert len(res_err.strip().splitlines()) == 1
 
