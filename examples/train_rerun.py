@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ft_agent import get_client
 from ft_agent.rerun_host import default_tracker_file, setup_rerun_state_machine
-from rerun import RerunDataIterator, RerunStateMachine
+from rerun import RerunDataIterator, RerunStateMachine, share_iterations_to_skip
 
 
 def parse_args() -> argparse.Namespace:
@@ -50,24 +50,17 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x.sum(dim=1, keepdim=True)
 
 
-def steps_to_skip(rank: int, world: int) -> set[int]:
+def steps_to_skip(rank: int) -> set[int]:
     """Steps the tracker file says to skip, the same on every rank.
 
-    Rank 0 reads the file before the first collective and hands its list to the others:
-    a rank that read it later could see a line another rank appended meanwhile while
-    re-running a step, and the ranks would then disagree on which steps to run.
+    Rank 0 reads the file and ``share_iterations_to_skip`` hands its list to the others
+    (Megatron-LM reads it on every rank; ranks that disagree run mismatched collectives).
     """
     tracker = default_tracker_file()
     steps: list[int] = []
     if rank == 0 and tracker and Path(tracker).exists():
-        steps = sorted(RerunStateMachine.get_skipped_iterations_from_tracker_file(tracker))
-    if world > 1:  # tensors, not broadcast_object_list: no pickle on the wire
-        count = torch.tensor([len(steps)])
-        dist.broadcast(count, src=0)
-        values = torch.tensor(steps if rank == 0 else [0] * int(count), dtype=torch.long)
-        dist.broadcast(values, src=0)
-        steps = values.tolist()
-    return set(steps)
+        steps = RerunStateMachine.get_skipped_iterations_from_tracker_file(tracker)
+    return set(share_iterations_to_skip(steps))
 
 
 def main() -> None:
@@ -94,8 +87,10 @@ def main() -> None:
         start = state["step"]
         if machine.validate_state_dict(state["rerun"]):
             machine.load_state_dict(state["rerun"])
-    skip = steps_to_skip(rank, world)
+    skip = steps_to_skip(rank)
     ddp = DistributedDataParallel(model) if world > 1 else model
+    # The loader resumes at the first step not completed (Megatron: the consumed samples),
+    # also when the machine re-runs that step from the checkpoint.
     data = RerunDataIterator(batch(s, rank) for s in itertools.count(start + 1))
     first_try: set[int] = set()
 

@@ -8,8 +8,9 @@ Usage::
 
     import sys
     import torch
-    from rerun import (RerunDataIterator, RerunMode, get_rerun_state_machine,
-                       initialize_rerun_state_machine)
+    from rerun import (RerunDataIterator, RerunMode, RerunStateMachine,
+                       get_rerun_state_machine, initialize_rerun_state_machine,
+                       share_iterations_to_skip)
 
     initialize_rerun_state_machine(mode=RerunMode.VALIDATE_RESULTS,
                                    result_rejected_tracker_filename="rejected.jsonl")
@@ -22,17 +23,22 @@ Usage::
             machine.validate_result(loss, torch.isnan, "loss is NaN", fatal=True)
             loss.backward()
         save, stop, exit_code = machine.should_checkpoint_and_exit()
-        if save:
+        if save:  # the step's start: the loader resumes at its first sample
             torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                        "rng": torch.get_rng_state(), "loader": loader_position(),
-                        "rerun": machine.state_dict(data, "torch_dist")}, ckpt_path)
+                        "rng": torch.get_rng_state(), "completed_steps": step - 1,
+                        "loader": position_at_step_start(),
+                        "rerun": machine.state_dict(data, "torch")}, ckpt_path)
         if stop:
             sys.exit(exit_code)     # 16: resume on other hardware; 17: final verdict
         optimizer.step()
 
-    # on start-up, after loading the checkpoint:
+    # on start-up, after loading the checkpoint (one file per rank; with Megatron's
+    # distributed checkpoint pass "torch_dist" instead), then set the skip list:
     if machine.validate_state_dict(ckpt.get("rerun")):
         machine.load_state_dict(ckpt["rerun"])
+    machine.current_iteration = ckpt["completed_steps"]   # as Megatron-LM's train() does
+    skip = share_iterations_to_skip(
+        RerunStateMachine.get_skipped_iterations_from_tracker_file("rejected.jsonl"))
 
 Verdicts (VALIDATE_RESULTS; a rejected result re-runs the step in place on every rank):
 
@@ -59,13 +65,15 @@ and swallowed. ``event`` is a JSON-serialisable dict:
 ``current_device_identity()`` returns ``(host, device)``: the CUDA device (by UUID) when CUDA
 is available and initialised, else ``FT_DEVICE_ID``, else ``LOCAL_RANK``, else ``"0"``.
 
-Differences from Megatron-Core 0.16 (deliberate fixes): per-step failure state is reset every
-step; step numbers are 1-based everywhere; a skipped step with a pending diagnosis resumes
-training instead of exiting 17 forever; a checkpoint taken at an exit 17 resumes cleanly;
-replayed microbatches are private copies, and saved replay buffers are replayed on resume;
-+inf vs -inf, ``a == -b`` and NaN comparisons are mismatches; REPORT_DETERMINISM_STATS works
-and suspends result validation; the first step is validated; malformed tracker lines are
-skipped with a warning; state dicts are per-rank plain data with a version, checked on load.
+Differences from Megatron-Core 0.16 (deliberate fixes; the README's "Porting from
+Megatron-LM" lists them all): per-step failure state is reset every step; step numbers are
+1-based everywhere; a skipped step with a pending diagnosis resumes training instead of
+exiting 17 forever; a checkpoint taken at an exit 17 resumes cleanly; replayed microbatches
+are private copies; a step re-run from a checkpoint reads the loader, as in Megatron-LM, and
+its samples are checked against those the checkpoint recorded; +inf vs -inf, ``a == -b`` and
+NaN comparisons are mismatches; REPORT_DETERMINISM_STATS works; the first step is validated;
+tracker files of both formats are read line by line; state dicts carry a version and the
+saving rank, are checked on load, and ``validate_state_dict`` never raises.
 """
 
 from .rerun_state_machine import (

@@ -382,8 +382,13 @@ class RerunStateMachine:
                 return None
         if self._pass_in_progress():
             raise RuntimeError(f"cannot checkpoint the rerun state during a pass ({self.state})")
-        iterators = [] if data_iterator is None else _sanitize_data_iterators(data_iterator)
-        buffers = None if between_steps else [d.state_dict() for d in iterators] or None
+        # Between steps nothing is replayed, and the iterator need not be wrapped (as in
+        # Megatron-Core, which checks the wrapping only when a re-run is pending).
+        iterators = (
+            [] if data_iterator is None or between_steps
+            else _sanitize_data_iterators(data_iterator)
+        )
+        buffers = [d.state_dict() for d in iterators] or None
         world = (
             torch.distributed.get_world_size()
             if torch.distributed.is_available() and torch.distributed.is_initialized()
