@@ -229,6 +229,7 @@ class _PeerShare:
         self.share = 1.0  # until measured: a whole CPU (the idle-machine duty cycle)
         self._last: dict[int, tuple[float, float]] = {}
         self._at: float | None = None
+        self._measured = False
 
     def update(self, now: float) -> float:
         if self._at is not None and now - self._at < SHARE_REFRESH_S:
@@ -245,7 +246,11 @@ class _PeerShare:
             if share is not None:
                 shares.append(share)
         if shares:
-            self.share = max(0.01, statistics.median(shares))
+            share = max(0.01, statistics.median(shares))
+            # Smoothed over ~1 s: in a synchronous job the peers block on the slow rank and
+            # a single window's share jumps around.
+            self.share = share if not self._measured else 0.7 * self.share + 0.3 * share
+            self._measured = True
         return self.share
 
 
