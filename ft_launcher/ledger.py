@@ -262,6 +262,8 @@ class Ledger:
                          "type": str(rec.get("fault_type", "fault"))[:40]}
 
     def _on_hang_detected(self, att, cyc, rec, ts) -> None:
+        # The verdict's own moment; the event follows the stack capture.
+        ts = _num(rec.get("detected_at")) or ts
         if cyc.hang is None:
             silence = _num(rec.get("silence_s"))
             cyc.hang = {"ts": ts, "rank": _int(rec.get("rank")),

@@ -24,12 +24,15 @@ import zmq
 
 from ft_launcher import blame, faults, policy, stacks
 from ft_launcher.config import LaunchConfig
+from ft_launcher.ledger import Ledger
 from ft_launcher.liveness import HangVerdict
+from ft_launcher.metrics import MetricsExporter
 from ft_launcher.monitor import Monitor, RankSlot
 from ft_launcher.policy import CycleResult, Decision, JobState, Outcome, WorkerExit
 from ft_launcher.rendezvous import C10dRendezvous, RoundInfo, StaticRendezvous
 from ft_launcher.rundir import RunDir
 from ft_launcher.standby import StandbyPool
+from ft_launcher.status import StatusTimer, status_line
 from ft_launcher.timeouts import TimeoutBook, load_state
 from ft_launcher.worker_env import CycleEnv, visible_gpus, worker_env
 from ft_launcher.workers import Worker, WorkerGroup, WorkerSpec
@@ -106,6 +109,13 @@ class Supervisor:
             state_path=state_path,
             events=self.event,
         )
+        # What the faults cost, live: the status line and the Prometheus metrics read it.
+        self.ledger = Ledger()
+        self.status = StatusTimer(cfg.ft.status_interval, time.time())
+        self.metrics: MetricsExporter | None = None
+        if cfg.ft.metrics_port:
+            self.metrics = MetricsExporter(cfg.ft.metrics_addr, cfg.ft.metrics_port)
+            self.metrics.set_heartbeat_ages(self._heartbeat_ages)
         # Warm restart (--ft-warm-restart): standby interpreters; inert when off.
         self.standbys = StandbyPool(cfg, self.rundir.logs / "standby", self.event)
 
@@ -134,11 +144,29 @@ class Supervisor:
         return StaticRendezvous(cfg.node_rank, cfg.max_nodes, cfg.master_addr, cfg.master_port)
 
     def event(self, name: str, **fields: Any) -> dict[str, Any]:
-        """Record an event in events.jsonl and log it as one line."""
+        """Record an event in events.jsonl, log it as one line, feed the ledger and metrics."""
         record = self.rundir.event(name, self.cycle, **fields)
         detail = " ".join(f"{k}={v}" for k, v in fields.items() if k != "timeouts")
         log.info("cycle %d: %s %s", self.cycle, name, detail)
+        self.ledger.add(record)
+        if self.metrics is not None:
+            self.metrics.observe(record)
         return record
+
+    def _heartbeat_ages(self) -> dict[int, float]:
+        """Seconds since each rank's last activity (read by the metrics' HTTP thread)."""
+        now = time.monotonic()
+        return {r.rank: round(now - r.floor(), 3)
+                for r in list(self.monitor.liveness.ranks.values())}
+
+    def _status(self) -> None:
+        """The launcher's own line among the ranks' output, every --ft-status-interval."""
+        now = time.time()
+        if self.status.due(now):
+            for r in self.monitor.liveness.ranks.values():
+                if r.iteration is not None:
+                    self.ledger.progress(r.rank, r.iteration)
+            log.info("status: %s", status_line(self.ledger.summary(now), now))
 
     # -- signals -----------------------------------------------------------------------
 
@@ -195,6 +223,8 @@ class Supervisor:
                 self.group.kill_all()
             self.standbys.close()
             self.monitor.close()
+            if self.metrics is not None:
+                self.metrics.close()
             self.rdzv.shutdown()
             self._remove_socket()
         assert decision is not None and decision.exit_code is not None
@@ -312,6 +342,9 @@ class Supervisor:
             if armed is not None and not armed.fired:
                 due = armed.at if armed.at is not None else armed.no_agent_due(spawned_at)
                 timeout = min(timeout, due - time.time())
+            status_due = self.status.next_due()
+            if status_due is not None:
+                timeout = min(timeout, status_due - time.time())
             # Messages carry their send time, so they can wait a moment and be drained
             # in batches: one wake-up per MESSAGE_BATCH_S instead of one per heartbeat.
             # Signals (a worker's death) and deadlines still wake the loop at once.
@@ -348,6 +381,7 @@ class Supervisor:
                       or self._check_controls() or (may_judge and self._check_hang(group)))
             if result:
                 return result
+            self._status()
             # Standbys are spawned once every rank is training (first heartbeat or section).
             self.standbys.tick(training_at is not None)
             if time.monotonic() >= next_peer_check:

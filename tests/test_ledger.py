@@ -309,10 +309,14 @@ def test_ledger_figures_match_what_the_training_measured(tmp_path: Path, run_dir
     proc = subprocess.run(
         [sys.executable, "-m", "ft_launcher.cli", "--ft-run-dir", str(run_dir),
          "--nproc-per-node", "2", "--max-restarts", "1", "--workers-stop-timeout", "2",
+         "--ft-status-interval", "1",
          str(SCRIPT), "--marks", str(marks), "--steps", "60", "--ckpt-step", "20",
          "--kill-after", "1.0"],
         capture_output=True, text=True, timeout=150)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # The launcher's status line is among the output, with the step the ranks reported.
+    status = [line for line in (proc.stdout + proc.stderr).splitlines() if "status: " in line]
+    assert status and "step" in status[-1], (proc.stdout + proc.stderr)[-3000:]
     m = [json.loads(line) for line in marks.read_text().splitlines()]
     ckpt = next(x for x in m if x["what"] == "checkpoint" and x["cycle"] == 0)
     killed = next(x for x in m if x["what"] == "kill" and x["cycle"] == 0)
