@@ -64,6 +64,7 @@ if [ -z "$py" ]; then
     fi
 fi
 "$py" -c 'import sys' 2>/dev/null || setup_fail "no Python at $py"
+case "$py" in /*) ;; *) py="$(cd "$(dirname "$py")" && pwd)/$(basename "$py")" ;; esac
 
 if [ -n "$wheels" ]; then
     compgen -G "$wheels/*.whl" >/dev/null || setup_fail "no wheels in $wheels"
@@ -71,12 +72,15 @@ if [ -n "$wheels" ]; then
 fi
 
 missing() {  # the modules the checks need that this interpreter cannot import
-    "$py" - <<'EOF'
+    # From /: the workers run scripts outside the checkout's root, so the project must be
+    # installed, not merely importable from the current directory.
+    (cd / && "$py" - <<'EOF'
 import importlib.util
 need = ["torch", "pytest", "pytest_timeout", "zmq", "psutil", "click", "yaml", "numpy",
         "ft_launcher", "ft_agent", "rerun"]
 print(" ".join(m for m in need if importlib.util.find_spec(m) is None))
 EOF
+    )
 }
 gone="$(missing)"
 if [[ " $gone " == *" ft_launcher "* ]]; then

@@ -16,7 +16,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from gpu.gpu_support import cuda_device_count, gpu_uuids, require_cuda  # noqa: E402
+from gpu.gpu_support import cuda_device_count, gpu_uuids, require_cuda
 from rerun_test_support import clean_rerun_globals  # noqa: F401
 
 require_cuda()
