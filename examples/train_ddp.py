@@ -105,12 +105,14 @@ def main() -> None:
         if args.sections:
             ft.end_section("step")
         ft.send_heartbeat()
+        ft.report_progress(step)  # the launcher's goodput ledger counts steps from these
         print(f"rank {rank} cycle {cycle} step {step} loss {loss.item():.6f}", flush=True)
         stop = should_stop(bool(stop_requested), world)
         if step % args.ckpt_every == 0 or step == args.steps or stop:
             save_checkpoint(rank, step, model, opt, ckpt_dir, ckpt_path)
             if world > 1:
                 dist.barrier()
+            ft.report_checkpoint(step)  # saved: a restart resumes from here
         if stop:
             print(f"rank {rank} cycle {cycle}: SIGUSR1, checkpointed step {step}", flush=True)
             break

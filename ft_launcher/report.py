@@ -207,7 +207,23 @@ def render_text(report: dict[str, Any]) -> str:
         lines += ["", f"Exit {s['exit_code']}: {s['reason']} ({s['restarts']} restarts); "
                       f"next: {'requeue' if s['next_action']['requeue'] else 'stop'}"
                       f"{' excluding ' + ','.join(s['next_action']['exclude_nodes']) if s['next_action']['exclude_nodes'] else ''}"]  # noqa: E501
+    lines += resume_lines(ledger)
     return "\n".join(lines)
+
+
+def resume_lines(ledger: dict[str, Any]) -> list[str]:
+    """One closing line per restart: where the next cycle resumed, or that it started over."""
+    lines = []
+    for a in ledger["attempts"]:
+        for c in a["cycles"][:-1]:
+            first = c.get("next_cycle_first_step")
+            if first is None:
+                continue
+            ckpt = c.get("checkpoint_step")
+            how = f"resumed at step {first} from its checkpoint of step {ckpt}" \
+                if ckpt is not None else f"started over at step {first} (no checkpoint)"
+            lines.append(f"Cycle {c['cycle'] + 1} {how} after {c['cause']}.")
+    return lines
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})

@@ -317,6 +317,11 @@ def test_ledger_figures_match_what_the_training_measured(tmp_path: Path, run_dir
     # The launcher's status line is among the output, with the step the ranks reported.
     status = [line for line in (proc.stdout + proc.stderr).splitlines() if "status: " in line]
     assert status and "step" in status[-1], (proc.stdout + proc.stderr)[-3000:]
+    # ft_report ends with where the restarted cycle resumed.
+    report = subprocess.run([sys.executable, "-m", "ft_launcher.report", str(run_dir)],
+                            capture_output=True, text=True, timeout=60)
+    assert report.stdout.splitlines()[-1] == \
+        "Cycle 1 resumed at step 21 from its checkpoint of step 20 after signal SIGKILL."
     m = [json.loads(line) for line in marks.read_text().splitlines()]
     ckpt = next(x for x in m if x["what"] == "checkpoint" and x["cycle"] == 0)
     killed = next(x for x in m if x["what"] == "kill" and x["cycle"] == 0)
