@@ -62,8 +62,14 @@ def split_lines(chunk: bytes) -> list[tuple[bytes, bytes]]:
 
 
 def console_line(prefix: bytes, line: bytes) -> bytes:
-    """One console line: prefix, text with control characters escaped, newline."""
+    """One console line: prefix, text with control characters escaped, newline.
+
+    A line that already starts with the rank's tag (torch prefixes its own distributed
+    warnings with ``[rank0]:``) is not tagged twice.
+    """
     text = escape_controls(line.decode("utf-8", errors="backslashreplace"))
+    if prefix and line.startswith(prefix.rstrip(b" ")):
+        prefix = b""
     return prefix + text.encode() + b"\n"
 
 

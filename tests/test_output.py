@@ -140,3 +140,10 @@ def test_a_failing_hook_does_not_stop_the_draining(tmp_path: Path):
 
 if sys.platform != "linux":  # pragma: no cover
     pytestmark = pytest.mark.skip("/dev/full")
+
+
+def test_a_line_already_tagged_with_the_rank_is_not_tagged_twice():
+    """torch tags its own distributed warnings ``[rank0]:``; the console shows one tag."""
+    assert console_line(b"[rank0]: ", b"[rank0]:[W1201 c10d] warning") == \
+        b"[rank0]:[W1201 c10d] warning\n"
+    assert console_line(b"[rank0]: ", b"[rank1]: other") == b"[rank0]: [rank1]: other\n"
