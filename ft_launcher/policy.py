@@ -276,7 +276,13 @@ def _decide(result: CycleResult, state: JobState) -> Decision:
     first = result.failures[0]
     how = f"exit code {first.exit_code}" if first.exit_code is not None \
         else f"signal {first.signal}"
-    return _restart_or_exhausted(state, f"rank {first.rank} failed ({how})")
+    reason = f"rank {first.rank} failed ({how})"
+    # The ranks that failed after it (in their collective, most often) are its consequence.
+    later = sorted({f.rank for f in result.failures[1:]} - {first.rank})
+    if later:
+        reason += f"; then rank{'s' if len(later) > 1 else ''} " \
+                  f"{', '.join(map(str, later))} failed in consequence"
+    return _restart_or_exhausted(state, reason)
 
 
 def apply(decision: Decision, state: JobState) -> None:

@@ -135,3 +135,10 @@ def test_an_announced_exit_code_counts_when_the_rank_died_otherwise():
     result = CycleResult(0, Outcome.FAILED, diagnoses=diag, failures=[_exit(1, sig="SIGABRT")])
     d = policy.decide(result, _job())
     assert d.exit_code == 17 and d.next_action.requeue is False
+
+
+def test_the_first_failure_is_the_cause_and_the_later_ones_its_consequence():
+    result = CycleResult(0, Outcome.FAILED, failures=[_exit(1, sig="SIGKILL"), _exit(0, code=1),
+                                                      _exit(2, code=1)])
+    assert policy.decide(result, _job()).reason == \
+        "rank 1 failed (signal SIGKILL); then ranks 0, 2 failed in consequence"
