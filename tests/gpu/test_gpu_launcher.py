@@ -114,16 +114,33 @@ def record(record_property, name: str, value) -> None:
 # -- 2. exit 16 -> rotated CUDA_VISIBLE_DEVICES -> the re-run lands where the policy said ----
 
 
-def test_exit_16_lands_on_the_device_the_policy_chose(run_dir):
+@pytest.fixture(scope="module")
+def exit16_job(tmp_path_factory):
+    """rerun_cuda_job.py under the launcher: step 3 is NaN on the first GPU it runs on."""
+    run_dir = tmp_path_factory.mktemp("exit16") / "run"
     res = run_launcher(run_dir, "--nproc-per-node", "1", "--max-restarts", "2",
                        RERUN_JOB, "--steps", "5", "--at", "3", timeout=240)
+    no_leftovers(run_dir)
     lines = [json.loads(x) for x in (run_dir / "rerun_cuda.jsonl").read_text().splitlines()]
+    return run_dir, res, lines
+
+
+def test_launcher_gives_each_rank_its_gpu(exit16_job):
+    run_dir, _res, lines = exit16_job
+    first = lines[0]
+    assert first["cuda_visible_devices"] is not None, (
+        "the launcher set no CUDA_VISIBLE_DEVICES: it did not see the GPUs "
+        f"(/proc/driver/nvidia/gpus exists: {os.path.isdir('/proc/driver/nvidia/gpus')}, "
+        f"CUDA_VISIBLE_DEVICES here: {os.environ.get('CUDA_VISIBLE_DEVICES')})")
+    assert first["ft_device_id"] == "0"
+    assert first["uuid"] == first["visible"][0], "cuda:0 is the rank's device"
+
+
+def test_exit_16_lands_on_the_device_the_policy_chose(exit16_job):
+    run_dir, res, lines = exit16_job
     first = lines[0]
     uuids = gpu_uuids()
     assert first["uuid"] in uuids, f"identity {first['uuid']} is not a GPU of {uuids}"
-    assert first["cuda_visible_devices"] is not None, (
-        "the launcher set no CUDA_VISIBLE_DEVICES: it did not see the GPUs "
-        f"(/proc/driver/nvidia/gpus exists: {os.path.isdir('/proc/driver/nvidia/gpus')})")
     s = summary(run_dir)
     asked = [d for d in s["diagnoses"] if d.get("exit_code") == 16]
     assert asked, f"no diagnosis announced the exit 16: {s['diagnoses']}"
