@@ -19,7 +19,9 @@ The launcher's side, all plain file logic (no torch import):
 A worker writes the dump files, so they are handled as untrusted: symbolic links are never
 followed, only regular files are taken, sizes are bounded, and a file older than the request
 (a stale dump of an earlier timeout) is left alone. The dump is torch's pickle; this module
-never unpickles it (``torchfrtrace`` reads it, see the README).
+never unpickles it (``torchfrtrace`` reads it, see the README). With
+``TORCH_FR_DUMP_DYNAMIC_FILE_NAME`` set, torch writes to the exact file named at dump time
+instead of ``<prefix><rank>``; such dumps are not collected.
 """
 
 from __future__ import annotations
