@@ -166,9 +166,11 @@ class WorkerGroup:
 
     def __init__(self, events: Callable[..., Any] | None = None) -> None:
         """``events(name, **fields)``, when given, records ``output_dropped`` (once per
-        worker whose log file cannot be written: a full disk)."""
+        worker whose log file cannot be written: a full disk), from ``poll``, so on the
+        caller's thread, never on an output thread."""
         self.workers: list[Worker] = []
         self.events = events
+        self._drops: list[dict[str, Any]] = []  # appended by output threads
 
     def start(self, specs: list[WorkerSpec],
               warm: Callable[[WorkerSpec], Worker | None] | None = None) -> None:
@@ -192,10 +194,9 @@ class WorkerGroup:
         console with a rank prefix when it is echoed."""
         prefix = f"[rank{spec.rank}]: ".encode() if spec.echo else None
 
-        def dropped(reason: str) -> None:
-            if self.events is not None:
-                self.events("output_dropped", rank=spec.rank, log=str(spec.log_path),
-                            reason=reason)
+        def dropped(reason: str) -> None:  # on the output thread: recorded by poll()
+            self._drops.append({"rank": spec.rank, "log": str(spec.log_path),
+                                "reason": reason})
 
         return Sink(open_log(spec.log_path), prefix, label=f"rank {spec.rank}",
                     on_drop=dropped)
@@ -213,7 +214,12 @@ class WorkerGroup:
         return worker
 
     def poll(self) -> list[Worker]:
-        """Reap exited workers; return those that exited since the last poll."""
+        """Reap exited workers; return those that exited since the last poll. Also records
+        the output drops reported since (``output_dropped`` events)."""
+        while self._drops:
+            drop = self._drops.pop(0)
+            if self.events is not None:
+                self.events("output_dropped", **drop)
         exited = []
         for w in self.workers:
             if w.alive:
@@ -244,18 +250,26 @@ class WorkerGroup:
         except (ProcessLookupError, PermissionError):
             return False
 
-    def stop(self, grace: float, signum: int = signal.SIGTERM) -> None:
+    def stop(self, grace: float, signum: int = signal.SIGTERM,
+             ignoring: Callable[[list[Worker]], list[Worker]] | None = None) -> None:
         """SIGCONT + ``signum`` to every group, wait up to ``grace``, then SIGKILL.
 
         Workers that already exited are reaped first, so one that exited by itself (a 16
-        just before the teardown) keeps its own exit code and is not signalled."""
+        just before the teardown) keeps its own exit code and is not signalled.
+        ``ignoring(alive)``, asked while waiting, names workers that plainly ignore the
+        signal (they carry on working): those are killed at once rather than waited for."""
         self.poll()
         for w in self.alive():
             # A SIGSTOPped worker would never act on SIGTERM; continue it first.
             w.signalled = True
             self.send_signal(w, signal.SIGCONT)
             self.send_signal(w, signum)
-        self._wait(grace)
+
+        def kill_ignoring() -> None:
+            for w in ignoring(self.alive()) if ignoring is not None else ():
+                self.send_signal(w, signal.SIGKILL)
+
+        self._wait(grace, kill_ignoring)
         self.kill_all()
 
     def kill_all(self) -> None:
@@ -272,10 +286,12 @@ class WorkerGroup:
             if w._pump is not None:
                 w._pump.join(timeout=2.0)
 
-    def _wait(self, timeout: float) -> None:
+    def _wait(self, timeout: float, tick: Callable[[], None] | None = None) -> None:
         deadline = time.monotonic() + timeout
         while self.alive() and time.monotonic() < deadline:
             self.poll()
             if self.alive():
+                if tick is not None:
+                    tick()
                 time.sleep(0.01)
         self.poll()

@@ -147,3 +147,32 @@ def test_a_line_already_tagged_with_the_rank_is_not_tagged_twice():
     assert console_line(b"[rank0]: ", b"[rank0]:[W1201 c10d] warning") == \
         b"[rank0]:[W1201 c10d] warning\n"
     assert console_line(b"[rank0]: ", b"[rank1]: other") == b"[rank0]: [rank1]: other\n"
+
+
+def test_a_worker_group_records_a_full_log_once_on_the_callers_thread(tmp_path: Path):
+    """A worker whose log is /dev/full (ENOSPC on every write): one ``output_dropped``
+    event, emitted by poll() on this thread; the worker exits 0; the drop is counted."""
+    import threading
+
+    from ft_launcher.workers import WorkerGroup, WorkerSpec
+
+    recorded: list[tuple[str, dict, str]] = []
+    group = WorkerGroup(events=lambda name, **f: recorded.append(
+        (name, f, threading.current_thread().name)))
+    code = "import sys\nfor _ in range(2000): sys.stdout.buffer.write(b'w' * 511 + b'\\n')"
+    spec = WorkerSpec(0, 5, [sys.executable, "-c", code], dict(os.environ),
+                      Path("/dev/full"), False)
+    group.start([spec])
+    try:
+        worker = group.workers[0]
+        assert worker.proc.wait(30) == 0
+        worker._pump.join(10)
+        group.poll()
+        group.poll()
+    finally:
+        group.kill_all()
+    assert recorded == [("output_dropped", {"rank": 5, "log": "/dev/full",
+                                            "reason": "No space left on device"},
+                         threading.current_thread().name)]
+    assert worker.describe_exit() == {"exit_code": 0, "signal": None,
+                                      "output_dropped_bytes": 2000 * 512}
