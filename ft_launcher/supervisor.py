@@ -47,6 +47,8 @@ MESSAGE_BATCH_S = 0.05
 # A flood of messages is read in bounded batches; verdicts wait for the queue to empty, but
 # never longer than this (a flood cannot postpone a real hang for ever).
 MAX_JUDGE_DELAY_S = 10.0
+# A rank still working this long after the stop signal ignores it, and is killed at once.
+IGNORE_GRACE_S = 0.5
 
 
 class _Interrupted(Exception):
@@ -267,7 +269,7 @@ class Supervisor:
             grace = self.cfg.term_timeout if result.outcome is Outcome.SIGNALED \
                 else self.cfg.workers_stop_timeout
             signum = result.signum if result.outcome is Outcome.SIGNALED else signal.SIGTERM
-            group.stop(grace, signum)  # ends with kill_all
+            group.stop(grace, signum, self._ignoring_since(time.monotonic()))  # ends killed
         self.monitor.drain(time.monotonic())  # reports sent while the group was stopping
         for w in group.workers:
             if w.exit_code is not None and not w.reported:
@@ -281,6 +283,20 @@ class Supervisor:
         result.progress_iteration = self._progress_iteration()
         self.group = None
         return result
+
+    def _ignoring_since(self, signalled_at: float) -> Any:
+        """Which live workers ignore the stop signal: still active (heartbeats, sections,
+        steps) ``IGNORE_GRACE_S`` after it. A rank that saves a checkpoint on SIGTERM goes
+        quiet while it does and keeps the whole grace."""
+        def ignoring(alive: list[Worker]) -> list[Worker]:
+            now = time.monotonic()
+            if now < signalled_at + IGNORE_GRACE_S:
+                return []
+            self.monitor.drain(now)
+            ranks = self.monitor.liveness.ranks
+            return [w for w in alive if w.rank in ranks
+                    and ranks[w.rank].floor() > signalled_at + IGNORE_GRACE_S]
+        return ignoring
 
     def _worker_specs(self, rnd: RoundInfo, armed: faults.ArmedFault | None) -> list[WorkerSpec]:
         cfg = self.cfg

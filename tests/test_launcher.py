@@ -285,3 +285,22 @@ def test_sigusr1_is_passed_to_workers_which_checkpoint_and_exit(run_dir):
     step = int((run_dir / "ckpt" / "iteration").read_text())
     assert 20 <= step < 100000
     assert f"SIGUSR1, checkpointed step {step}" in log.read_text()
+
+
+def test_a_rank_that_traps_sigterm_but_keeps_working_does_not_hold_the_restart(run_dir):
+    """--workers-stop-timeout is grace for a rank that shuts down, not for one that carries
+    on: a rank still heartbeating half a second after SIGTERM is killed at once."""
+    res = run_launcher(run_dir, "--nproc-per-node", "2", "--max-restarts", "1",
+                       "--workers-stop-timeout", "30",
+                       "--ft-simulated-fault", "rank_killed:base_delay=1,rank=1",
+                       str(SCRIPTS / "sigterm_trapper.py"), timeout=120)
+    assert res.returncode == 0, res.stdout[-3000:]
+    evs = events(run_dir)
+    died = next(e for e in evs if e["event"] == "worker_exited" and e["cycle"] == 0
+                and e["rank"] == 1)
+    trapper = next(e for e in evs if e["event"] == "worker_exited" and e["cycle"] == 0
+                   and e["rank"] == 0)
+    restart = next(e for e in evs if e["event"] == "restart")
+    assert trapper["signal"] == "SIGKILL"
+    # 0.5 s of grace plus the next heartbeat; generous for a loaded machine, far below 30 s.
+    assert restart["ts"] - died["ts"] < 5.0, (died, restart)
