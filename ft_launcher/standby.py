@@ -12,7 +12,9 @@ Where standbys come from:
   created (at launcher start), that imports the preloads once, under ``SCHED_IDLE`` until
   the first cycle trains (``tick(True)``) or ``SPAWN_DELAY_S`` passed, so it never slows a
   cycle's start. Once it is ready (``zygote_ready``) it forks a standby per local rank, and a
-  fresh one at once whenever one is taken for a restart or dies. A forked standby shares the
+  fresh one whenever one dies or was taken for a restart (as soon as the new cycle's ranks
+  sent their first heartbeats, at most ``REFILL_DELAY_S`` later), so a second fault soon
+  after a restart finds standbys again. A forked standby shares the
   imported pages copy-on-write and is ready in milliseconds. The launcher is a child
   subreaper (``PR_SET_CHILD_SUBREAPER``) and adopts each standby, so a worker made from one
   is the launcher's own child like a cold worker (exit status, SIGCHLD, PDEATHSIG relative
@@ -33,6 +35,10 @@ Life cycle, driven by the supervisor's loop through four calls:
   (``standby_died``), forks or spawns missing ones and reaps adopted orphans;
 - ``close()``: SIGKILL every standby's process group and the zygote (the supervisor's
   ``finally``). A SIGKILLed launcher takes them along through PDEATHSIG, like its workers.
+
+One more, optional: ``take_store()`` before a single-node cycle's workers start hands over a
+TCPStore server that a fork of the zygote already hosts, so that every rank can connect to
+a listening store (see its docstring for the worker environment that goes with it).
 
 Standbys' environment is the launcher's plus ``OMP_NUM_THREADS`` when the launcher sets it
 for workers (libraries read it when they load). Their output before activation goes to
@@ -77,6 +83,9 @@ log = logging.getLogger("ft_launcher")
 BOOTSTRAP = "from ft_launcher.worker_side.standby import main; main()"
 ZYGOTE_BOOTSTRAP = "from ft_launcher.worker_side.zygote import main; main()"
 SPAWN_DELAY_S = 5.0  # spawn standbys (raise the zygote) this long after a cycle started
+# Replacement forks wait for the new cycle's first heartbeats (or this long): a fork copies
+# the zygote's page tables, CPU better left to the workers that are starting.
+REFILL_DELAY_S = 1.0
 MAX_EARLY_DEATHS = 3  # standbys of one local rank dying before ready, in a row
 STANDBY_ENV_KEYS = ("OMP_NUM_THREADS",)  # worker settings that libraries read at load time
 _MB = 1024 * 1024
@@ -319,14 +328,19 @@ class StandbyPool:
         self._held: list[tuple[str, dict[str, Any]]] | None = []  # events before the first call
         self.zygote: _Zygote | None = None
         self.forking = False  # standbys come from the zygote (else: spawned)
+        self.store: ChildProcess | None = None  # this cycle's TCPStore host (take_store)
+        self.spare_store: tuple[int, ChildProcess] | None = None  # the next cycle's
+        self._store_requested = False
+        self._store_failed = False
+        self._dying: list[ChildProcess] = []  # killed store hosts not reaped yet
         if self.enabled and self.entry is not None:
             self._start_zygote()
 
     # -- the supervisor's calls ----------------------------------------------------------
 
     def take(self, spec: WorkerSpec) -> Worker | None:
-        """Activate the ready standby of ``spec.local_rank`` as this cycle's worker; a
-        forked one is replaced by a fresh fork at once."""
+        """Activate the ready standby of ``spec.local_rank`` as this cycle's worker (``tick``
+        forks its replacement once the new cycle trains)."""
         if not self.enabled:
             return None
         self._release_events()
@@ -351,9 +365,7 @@ class StandbyPool:
             sb.cycle_sink.close()
             sb.cycle_sink = None
             return None
-        del self.standbys[spec.local_rank]
-        if self.forking:
-            self._fork(spec.local_rank)
+        del self.standbys[spec.local_rank]  # tick() forks its replacement (REFILL_DELAY_S)
         return Worker(spec=spec, proc=sb.proc, started_at=time.time(),  # type: ignore[arg-type]
                       _pump=sb.pump, warm=True)
 
@@ -388,13 +400,15 @@ class StandbyPool:
                 self._report_ready(sb)
         if not self.enabled:
             return
-        if self.forking:
+        refill = training_started or time.monotonic() - self._cycle_start >= REFILL_DELAY_S
+        if self.forking and refill:
             for local_rank in range(self.cfg.nproc_per_node):
                 if local_rank not in self.standbys and self.forking:
                     self._fork(local_rank)
         elif self.zygote is None and running:
             self._spawn_missing()
         if self.forking:
+            self._dying = [p for p in self._dying if p.poll() is None]
             reap_orphans()
 
     def close(self) -> None:
@@ -417,11 +431,67 @@ class StandbyPool:
             sb.stdin.close()  # a forked one not yet adopted exits when it reads EOF
             if sb.pump is not None:
                 sb.pump.join(timeout=2.0)
+        self._end_store()
+        for proc in self._dying:
+            _kill_group(proc)
+        self._dying.clear()
+        if self.spare_store is not None:
+            _kill_group(self.spare_store[1])
+            self.spare_store = None
         if self.zygote is not None:
             self.zygote.stop()
             self.zygote = None
         self.forking = False
         reap_orphans()
+
+    def take_store(self) -> int | None:
+        """The port of a TCPStore server that already listens, for the cycle about to start.
+
+        The zygote keeps one spare store host (a fork of it, torch preloaded) listening on a
+        port of its choosing; this hands it over and asks for the next spare. The caller
+        gives every worker of the cycle ``MASTER_PORT=<port>`` and
+        ``TORCHELASTIC_USE_AGENT_STORE=True`` (as torchrun's agent does with its own store),
+        so every rank is a client of a store that is up before any of them connects: none
+        meets a refused connection and waits out the TCPStore client's back-off (0.5 s,
+        then about 1 s, 2 s, ...) while rank 0 still sets up its own store. Single node
+        only: other nodes cannot know. None while no spare is ready (the first cycle,
+        usually: the zygote is still importing), without torch among the preloads, or with
+        warm restart off: rank 0 hosts the store as before. The previous cycle's store
+        ends here (and in ``close``); each cycle gets a fresh one, so no key outlives it.
+        """
+        self._end_store()
+        if not self.enabled or self.spare_store is None:
+            return None
+        port, self.store = self.spare_store
+        self.spare_store = None
+        self._emit("store_taken", port=port, pid=self.store.pid)
+        self._request_store()
+        return port
+
+    def _request_store(self) -> None:
+        if self.zygote is not None and self.zygote.ready and not self._store_requested \
+                and self.spare_store is None and not self._store_failed:
+            try:
+                self.zygote.ctl.send(b"store 127.0.0.1 0")
+                self._store_requested = True
+            except OSError:
+                pass  # the zygote's closed socket is seen at the next tick
+
+    def _on_store(self, rest: str) -> None:
+        """``PORT PID`` of a store host that listens now: the next cycle's spare."""
+        self._store_requested = False
+        fields = rest.split()
+        if len(fields) == 2 and all(f.isdigit() for f in fields) \
+                and _parent_of(int(fields[1])) == os.getpid():
+            self.spare_store = (int(fields[0]), ChildProcess(int(fields[1])))
+
+    def _end_store(self) -> None:
+        # SIGKILL now, reap later (tick, close): a restart does not wait for it.
+        if self.store is not None:
+            _kill_group(self.store, wait=False)
+            self._dying.append(self.store)
+            self.store = None
+        self._dying = [p for p in self._dying if p.poll() is None]
 
     # -- the zygote ----------------------------------------------------------------------
 
@@ -463,6 +533,7 @@ class StandbyPool:
             if kind == "ready":
                 seconds, _, threads = rest.partition(" ")
                 zygote.ready = self.forking = True
+                self._request_store()
                 self.event("zygote_ready", pid=zygote.proc.pid, preload=self.cfg.ft.preload,
                            import_s=_float(seconds), threads=_float(threads),
                            ready_s=round(time.monotonic() - zygote.started_at, 3),
@@ -473,6 +544,11 @@ class StandbyPool:
             elif kind == "failed":
                 self._disable(f"preload failed: {rest}")
                 return
+            elif kind == "store":
+                self._on_store(rest)
+            elif kind == "storefailed":
+                self._store_requested, self._store_failed = False, True
+                log.info("no cycle store from the zygote: %s", rest[:200])
             else:  # forkfailed, bad request: the standby's closed pipe tells the rest
                 log.warning("zygote: %s", message[:200])
         if closed and self.zygote is not None:
@@ -618,20 +694,27 @@ class StandbyPool:
 
     def _kill(self, sb: Standby) -> None:
         if sb.proc is not None:
-            try:
-                os.killpg(sb.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            try:
-                sb.proc.wait(timeout=5.0)
-            except subprocess.TimeoutExpired:
-                log.warning("standby pid %d did not exit after SIGKILL", sb.proc.pid)
+            _kill_group(sb.proc)
         sb.stdin.close()
 
     def _disable(self, reason: str) -> None:
         self.enabled = False
         self._emit("warm_restart_disabled", reason=reason)
         self.close()
+
+
+def _kill_group(proc: subprocess.Popen | ChildProcess, wait: bool = True) -> None:
+    """SIGKILL a session leader's process group and (``wait``) reap the leader."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    if not wait:
+        return
+    try:
+        proc.wait(timeout=5.0)
+    except subprocess.TimeoutExpired:  # unkillable (D state): leave it to the kernel
+        log.warning("pid %d did not exit after SIGKILL", proc.pid)
 
 
 def become_subreaper() -> bool:

@@ -462,3 +462,101 @@ def test_standby_worker_imports_nothing_heavy():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=ROOT, timeout=30, check=True).stdout
     assert out.strip() == "ft_launcher,ft_launcher.worker_side,ft_launcher.worker_side.standby"
+
+
+ADOPTION = '''
+import os, time
+from ft_launcher.standby import ChildProcess, become_subreaper, reap_orphans
+
+assert become_subreaper()
+PARENT = os.getpid()
+
+
+def orphan(leader: bool, code: int) -> int:
+    """A grandchild whose parent exits at once, so this process adopts it."""
+    r, w = os.pipe()
+    child = os.fork()
+    if child == 0:
+        os.setsid()  # the orphan's session is not ours
+        grandchild = os.fork()
+        if grandchild == 0:
+            if leader:
+                os.setsid()  # as a forked standby does
+            while os.getppid() != PARENT:
+                time.sleep(0.001)
+            os.write(w, b"x")
+            time.sleep(0.2)
+            os._exit(code)
+        os.write(w, str(grandchild).encode().rjust(16))
+        os._exit(0)
+    os.waitpid(child, 0)
+    pid = int(os.read(r, 16))
+    os.read(r, 1)  # adopted
+    return pid
+
+
+plain = orphan(False, 3)
+leader = orphan(True, 7)
+time.sleep(0.6)
+reaped = reap_orphans()  # the plain orphan only: the leader is left to its owner
+print(reaped, ChildProcess(leader).wait(timeout=5))
+'''
+
+
+def test_adopted_standby_exit_code_and_orphan_reaping():
+    """A session leader adopted by the launcher (a forked standby) keeps its exit status
+    for ChildProcess; an adopted orphan that leads nothing is reaped by reap_orphans."""
+    proc = subprocess.run([sys.executable, "-c", ADOPTION], capture_output=True, text=True,
+                          cwd=ROOT, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["1", "7"]
+
+
+STORE_CLIENT = '''
+import datetime, sys
+from torch.distributed import TCPStore
+
+store = TCPStore("127.0.0.1", int(sys.argv[1]), 2, False, datetime.timedelta(seconds=20))
+store.set("cycle", "1")
+print(store.get("cycle").decode())
+'''
+
+
+def test_take_store_hands_over_a_listening_tcpstore_per_cycle(tmp_path):
+    """The zygote keeps a spare TCPStore host; take_store() hands it over (a real TCPStore
+    client connects at once), asks for the next, and ends the previous cycle's."""
+    from ft_launcher.config import FaultToleranceConfig, LaunchConfig
+    from ft_launcher.standby import StandbyPool, _parent_of
+
+    script = tmp_path / "train.py"
+    script.write_text("pass\n")
+    cfg = LaunchConfig(entrypoint=[sys.executable, "-u", str(script)], script_args=[],
+                       nproc_per_node=2, run_dir=tmp_path / "run",  # OMP_NUM_THREADS=1:
+                       # without it, torch's OpenMP pool makes forking unsafe (a fallback)
+                       ft=FaultToleranceConfig(warm_restart=True, preload=["torch"]))
+    seen: list[tuple[str, dict]] = []
+    pool = StandbyPool(cfg, tmp_path / "standby", lambda name, **f: seen.append((name, f)))
+    try:
+        def spare():
+            pool.tick(True)
+            return pool.spare_store
+
+        assert pool.take_store() is None  # nothing ready yet: rank 0 hosts the first store
+        wait_for(spare, 90, "a spare store from the zygote")
+        first = pool.take_store()
+        assert first is not None and pool.store is not None
+        first_host = pool.store.pid
+        client = subprocess.run([sys.executable, "-c", STORE_CLIENT, str(first)],
+                                capture_output=True, text=True, timeout=60)
+        assert client.stdout.strip() == "1", client.stderr
+        wait_for(spare, 30, "the next spare store")
+        second = pool.take_store()
+        assert second is not None and second != first
+        wait_for(lambda: _gone([first_host]) or pool.tick(True), 5,
+                 "the previous cycle's store to end")
+        assert _parent_of(pool.store.pid) == os.getpid()  # adopted: the launcher's child
+        pids = [pool.store.pid, pool.zygote.proc.pid]
+    finally:
+        pool.close()
+    assert _gone(pids)
+    assert [name for name, _ in seen].count("store_taken") == 2

@@ -98,9 +98,9 @@ def _recv_request(ctl) -> tuple[str, list[int]] | None:
     return data.decode(errors="replace"), fds
 
 
-def _become_standby(ctl, nonce: str, fds: list[int], launcher: int, requested: float,
-                    signals: tuple[dict[int, object], set[int]], forget: set[str]) -> None:
-    """In the grandchild: wait for the adoption, set up like a spawned worker, serve."""
+def _adopted(launcher: int) -> None:
+    """In a grandchild of the zygote: wait until the launcher adopted it, then lead a
+    session of its own and die with the launcher, like any worker."""
     import ctypes  # noqa: PLC0415 - loaded by the zygote after the preloads; forgotten later
 
     first_parent = os.getppid()
@@ -110,8 +110,37 @@ def _become_standby(ctl, nonce: str, fds: list[int], launcher: int, requested: f
     os.setsid()
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, _SIGKILL, 0, 0, 0)
-    if os.getppid() != launcher:  # not adopted (or the launcher is gone): never serve
+    if os.getppid() != launcher:  # not adopted (or the launcher is gone): do nothing
         os._exit(1)
+
+
+def _fork_for_launcher(ctl, launcher: int, what: str) -> bool:
+    """Fork a process the launcher adopts: True in that process (see ``_adopted``), False
+    in the zygote once the intermediate child is reaped."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        child = os.fork()
+    except OSError as exc:
+        _send(ctl, f"forkfailed {what} {exc}")
+        return False
+    if child > 0:
+        os.waitpid(child, 0)
+        return False
+    try:  # the intermediate child: fork and exit, orphaning the grandchild
+        if os.fork() != 0:
+            os._exit(0)
+    except BaseException:  # noqa: BLE001 - the launcher sees the pipe close
+        os._exit(1)
+    _adopted(launcher)
+    return True
+
+
+def _become_standby(ctl, nonce: str, fds: list[int], requested: float,
+                    signals: tuple[dict[int, object], set[int]], forget: set[str]) -> None:
+    """In the adopted grandchild: take the pipes, serve. Never returns: it exits as the
+    script makes the interpreter exit (SystemExit travels up through main(), so atexit
+    handlers and thread joins run as in any interpreter)."""
     stdin_fd, out_fd = fds
     os.dup2(stdin_fd, 0)
     os.dup2(out_fd, 1)
@@ -125,39 +154,56 @@ def _become_standby(ctl, nonce: str, fds: list[int], launcher: int, requested: f
         numpy_random.seed()  # at fork on its own)
     handlers, mask = signals
     standby.serve(nonce, handlers, mask, requested, forget)
-    sys.exit(0)  # the script returned: exit as the interpreter does (atexit, threads)
+    sys.exit(0)  # the script returned
 
 
-def _fork(ctl, request: str, fds: list[int], launcher: int,
-          signals: tuple[dict[int, object], set[int]], forget: set[str]) -> None:
+def _fork_standby(ctl, parts: list[str], fds: list[int], launcher: int,
+                  signals: tuple[dict[int, object], set[int]], forget: set[str]) -> None:
     requested = time.monotonic()
-    parts = request.split()
-    if len(parts) != 3 or parts[0] != "fork" or len(fds) != 2:
-        for fd in fds:
-            os.close(fd)
-        _send(ctl, f"bad request {request[:80]!r} with {len(fds)} descriptors")
-        return
-    sys.stdout.flush()
-    sys.stderr.flush()
-    try:
-        child = os.fork()
-    except OSError as exc:
-        _send(ctl, f"forkfailed {parts[1]} {exc}")
-        child = -1
-    if child == 0:  # the intermediate child: fork the standby and exit, orphaning it
-        try:
-            standby_pid = os.fork()
-        except BaseException:  # noqa: BLE001 - the launcher sees the pipe close
-            os._exit(1)
-        if standby_pid != 0:
-            os._exit(0)
-        # The standby: never returns here; it exits as the script makes the interpreter
-        # exit (SystemExit travels up through main(), so atexit handlers run).
-        _become_standby(ctl, parts[2], fds, launcher, requested, signals, forget)
+    if _fork_for_launcher(ctl, launcher, parts[1]):
+        _become_standby(ctl, parts[2], fds, requested, signals, forget)
     for fd in fds:
         os.close(fd)
-    if child > 0:
-        os.waitpid(child, 0)
+
+
+def _host_store(ctl, addr: str, port: int, launcher: int) -> None:
+    """Fork a process that hosts a TCPStore server on ``port`` (0: one the kernel picks)
+    until it is killed, and tells the launcher ``store PORT PID`` once it listens
+    (``storefailed PORT ERROR`` if not). Only with torch preloaded: importing it now would
+    take seconds."""
+    if "torch" not in sys.modules:
+        _send(ctl, f"storefailed {port} torch is not among the preloads")
+        return
+    if not _fork_for_launcher(ctl, launcher, f"store {port}"):
+        return
+    try:
+        import datetime  # noqa: PLC0415
+
+        from torch.distributed import TCPStore  # noqa: PLC0415
+
+        store = TCPStore(addr, port, None, True, datetime.timedelta(days=7),
+                         wait_for_workers=False)
+    except BaseException as exc:  # noqa: BLE001 - any failure: rank 0 hosts it as before
+        _send(ctl, f"storefailed {port} {' '.join(f'{type(exc).__name__}: {exc}'.split())}")
+        os._exit(1)
+    _send(ctl, f"store {store.port} {os.getpid()}")
+    ctl.close()
+    while store is not None:
+        time.sleep(3600)
+
+
+def _handle(ctl, request: str, fds: list[int], launcher: int,
+            signals: tuple[dict[int, object], set[int]], forget: set[str]) -> None:
+    parts = request.split()
+    if len(parts) == 3 and parts[0] == "fork" and len(fds) == 2:
+        _fork_standby(ctl, parts, fds, launcher, signals, forget)
+        return
+    for fd in fds:
+        os.close(fd)
+    if len(parts) == 3 and parts[0] == "store" and parts[2].isdigit():
+        _host_store(ctl, parts[1], int(parts[2]), launcher)
+    else:
+        _send(ctl, f"bad request {request[:80]!r} with {len(fds)} descriptors")
 
 
 def main() -> None:
@@ -190,4 +236,4 @@ def main() -> None:
         got = _recv_request(ctl)
         if got is None:
             sys.exit(0)
-        _fork(ctl, got[0], got[1], int(launcher), signals, forget)
+        _handle(ctl, got[0], got[1], int(launcher), signals, forget)

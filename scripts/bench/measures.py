@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -510,3 +511,72 @@ def _memory(procs: list[psutil.Process]) -> tuple[int, int]:
         rss += info.rss
         pss += getattr(info, "pss", info.rss)
     return rss, pss
+
+
+# -- issue 17: two faults in a row, and what the standbys cost in memory ---------------
+
+
+def crash_twice(ctx: Context, launcher: str, tag: str, after_s: float = 2.0) -> Result:
+    """SIGKILL rank 1 ``after_s`` after every rank's first step, then again ``after_s`` after
+    the restarted cycle's first steps: SIGKILL -> first step of every rank, for each fault.
+
+    Unlike ``crash``, nothing waits for standbys: the faults come when a user's would, and
+    the launcher's ``workers_started`` tells whether each restart was warm."""
+    s = ctx.settings
+    ft = FtEvents(run_dir_events(ctx, tag)) if launcher in ("ours", WARM) else None
+    out: Result = {}
+    with ctx.run(tag, launcher, s.nproc, 2, ctx.train_args(ENDLESS_STEPS)) as run:
+        failed = _start_and_wait(run, ctx, s.nproc)
+        if failed:
+            return {"first_s": None, "second_s": None, **failed}
+        seen: set[int] = set()
+        for n, name in ((1, "first"), (2, "second")):
+            t_first = max(r["t"] for r in run.first_steps(frozenset(seen)).values())
+            run.sleep_until(t_first + after_s)
+            seen |= run.worker_pids()
+            t_kill = run.signal_worker(run.pid_of(1), signal.SIGKILL)
+            if not run.wait(lambda ex=frozenset(seen): _all_started(run, s.nproc, ex),
+                            s.crash_bound_s):
+                out.update({f"{name}_s": None,
+                            "note": f"fault {n} not recovered within {s.crash_bound_s:.0f} s"})
+                break
+            t_new = max(r["t"] for r in run.first_steps(frozenset(seen)).values())
+            out[f"{name}_s"] = round(t_new - t_kill, 4)
+            if ft is not None:
+                out[f"{name}_warm"] = _restart_warm_flags(run, ft, n)
+    out.setdefault("second_s", None)
+    return out
+
+
+def standby_memory(ctx: Context, launcher: str, tag: str) -> Result:
+    """PSS of every standby process (the zygote and its forks, or spawned standbys) with
+    ``footprint_ranks`` local ranks, against one interpreter that imported the same
+    preloads, measured in the same run (so it shares the same libraries' pages)."""
+    s = ctx.settings
+    n = s.footprint_ranks
+    ft = FtEvents(run_dir_events(ctx, tag))
+    args = ["--mode", "idle", "--hz", str(s.footprint_hz), "--duration", "600"]
+    with ctx.run(tag, launcher, n, 0, args) as run:
+        if not run.wait(lambda: len(ready_standbys(ft.refresh())) >= n, s.start_bound_s):
+            return {"standbys_pss_mb": None, "note": f"{len(ready_standbys(ft.records))}/{n} "
+                    "standbys ready"}
+        run.sleep_until(time.time() + s.settle_s)
+        pids = list(ready_standbys(ft.refresh()).values())
+        pids += [r["pid"] for r in ft.records if r.get("event") == "zygote_ready"]
+        procs = [psutil.Process(p) for p in pids]
+        reference = psutil.Popen([sys.executable, "-c", "import sys, time; "
+                                  "[__import__(m) for m in sys.argv[1].split(',')]; "
+                                  "print('ok', flush=True); time.sleep(600)",
+                                  s.warm_preload], stdout=subprocess.PIPE)
+        try:
+            assert reference.stdout is not None
+            reference.stdout.readline()
+            time.sleep(0.5)
+            _, ref_pss = _memory([reference])
+            rss, pss = _memory(procs)
+        finally:
+            reference.kill()
+            reference.wait()
+    return {"standbys_pss_mb": round(pss / 2**20, 1), "standbys_rss_mb": round(rss / 2**20, 1),
+            "one_interpreter_pss_mb": round(ref_pss / 2**20, 1),
+            "ratio_to_one": round(pss / ref_pss, 2), "processes": len(procs)}
