@@ -21,7 +21,7 @@ Kinds (agent -> monitor unless noted):
                    the monitor observed and put them in force
 ``set_timeouts``   ``req``, ``timeouts``: put given timeouts in force (load_state_dict)
 ``ack``            monitor -> agent reply to a request: ``req``, ``ok``, ``error``, ``timeouts``
-``control``        ``action``: "continue", "exclude_node" or "shutdown"
+``control``        ``action``: "continue", "exclude_node" or "shutdown"; ``description``
 ``diagnosis``      a rerun state machine verdict: ``state``, ``diagnostic``, ``iteration``,
                    ``message``, ``exit_code``, ``fatal``, ``host``, ``device``,
                    ``suspicious_host``, ``suspicious_device``
@@ -241,7 +241,8 @@ _SCHEMA: dict[str, dict[str, tuple[Validator, bool]]] = {
         "error": (_nullable(_text(MAX_TEXT_CHARS)), False),
         "timeouts": (_timeouts, False),
     },
-    CONTROL: {"action": (_choice(CONTROL_ACTIONS), True)},
+    CONTROL: {"action": (_choice(CONTROL_ACTIONS), True),
+              "description": (_nullable(_text(MAX_TEXT_CHARS)), False)},
     DIAGNOSIS: {
         "state": (_name, True),
         "iteration": (_nullable(_ITERATION), True),

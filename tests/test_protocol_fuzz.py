@@ -55,7 +55,7 @@ VALID = [
     protocol.encode(protocol.SET_TIMEOUTS, req=2, timeouts={
         "initial_rank_heartbeat_timeout": None, "rank_heartbeat_timeout": 12.0}),
     protocol.encode(protocol.ACK, req=2, ok=False, error="no"),
-    protocol.encode(protocol.CONTROL, action="exclude_node"),
+    protocol.encode(protocol.CONTROL, action="exclude_node", description="ECC errors"),
     protocol.encode(protocol.DIAGNOSIS, state="WILL_RERUN_FROM_CHECKPOINT",
                     diagnostic="PERSISTENT_ERROR", iteration=7, message="m", exit_code=16,
                     fatal=True, host="h", device="0", suspicious_host="h",
