@@ -48,6 +48,13 @@ def _int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+def _when(rec: dict[str, Any], ts: float) -> float:
+    """When it happened: the record's ``at`` (the rank's own time, read in a later batch)
+    when it is a sane time close to ``ts``, else when it was recorded."""
+    at = _num(rec.get("at"))
+    return at if at is not None and ts - 60.0 <= at <= ts else ts
+
+
 def _r(value: float | None, digits: int = 3) -> float | None:
     return None if value is None else round(value, digits)
 
@@ -232,17 +239,20 @@ class Ledger:
             self.sees_training = True
 
     def _on_first_step(self, att, cyc, rec, ts) -> None:
+        ts = _when(rec, ts)
         rank, it = _int(rec.get("rank")), _int(rec.get("iteration"))
         if rank is not None and it is not None:
             cyc.first_step.setdefault(rank, (ts, it))
             self.uses_progress = True
 
     def _on_training_started(self, att, cyc, rec, ts) -> None:
+        ts = _when(rec, ts)
         if cyc.training_started is None:
             cyc.training_started = ts
             self.sees_training = True
 
     def _on_checkpoint_saved(self, att, cyc, rec, ts) -> None:
+        ts = _when(rec, ts)
         it = _int(rec.get("iteration"))
         if it is not None:
             cyc.checkpoints.append((ts, it))

@@ -113,6 +113,7 @@ class Progress:
 
     first_step: bool
     checkpoint: bool
+    at: float  # when the rank reported it (its stamp, clamped)
 
 
 class Liveness:
@@ -150,6 +151,12 @@ class Liveness:
         """Every rank of the cycle showed activity (heartbeat, section or progress)."""
         return bool(self.ranks) and all(r.first_activity is not None
                                         for r in self.ranks.values())
+
+    def training_since(self) -> float | None:
+        """When the last rank showed its first activity, once every rank did."""
+        if not self.all_training():
+            return None
+        return max(r.first_activity for r in self.ranks.values())  # type: ignore[type-var]
 
     # -- what ranks say ----------------------------------------------------------------
 
@@ -217,7 +224,7 @@ class Liveness:
         r.progress_at = t
         if checkpoint:
             r.checkpoint = iteration
-        return Progress(first_step=first, checkpoint=checkpoint)
+        return Progress(first_step=first, checkpoint=checkpoint, at=t)
 
     def goodbye(self, rank: int) -> None:
         """The rank stopped monitoring (or exited): no more deadlines for it."""

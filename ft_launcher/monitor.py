@@ -7,7 +7,7 @@ supervisor. Any bytes are either a valid message or a counted protocol error: no
 peer sends can raise out of ``handle_frame``.
 
 The supervisor reaches the monitor only through: ``socket`` (to poll), ``drain``,
-``woke``, ``next_deadline`` / ``check``, ``take_controls``, ``diagnoses``, ``all_training``,
+``woke``, ``next_deadline`` / ``check``, ``take_controls``, ``diagnoses``, ``training_since``,
 ``protocol_errors``, ``agent_pid`` / ``stack_file`` (for stack capture) and the cycle
 lifecycle (``start_cycle``, ``rank_exited``, ``end_cycle``).
 """
@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -176,8 +177,10 @@ class Monitor:
     def check(self, now: float) -> HangVerdict | None:
         return self.liveness.check(now)
 
-    def all_training(self) -> bool:
-        return self.liveness.all_training()
+    def training_since(self) -> float | None:
+        """Wall time at which every rank was training (its first activity), or None."""
+        since = self.liveness.training_since()
+        return None if since is None else wall_of(since)
 
     def any_connected(self) -> bool:
         """Some rank of the cycle said hello (the script uses ft_agent)."""
@@ -247,10 +250,11 @@ class Monitor:
         changed = self.liveness.progress(slot.rank, msg["it"], msg["ckpt"], msg.get("t"), now)
         if changed is None:
             return
+        at = round(wall_of(changed.at), 6)  # read in a batch: the report's own time
         if changed.first_step:
-            self.events("first_step", rank=slot.rank, iteration=msg["it"])
+            self.events("first_step", rank=slot.rank, iteration=msg["it"], at=at)
         if changed.checkpoint:
-            self.events("checkpoint_saved", rank=slot.rank, iteration=msg["it"])
+            self.events("checkpoint_saved", rank=slot.rank, iteration=msg["it"], at=at)
 
     def _on_calculate(self, slot: RankSlot, msg: dict[str, Any], now: float) -> None:
         ok, error = self._calculate(msg)
@@ -414,3 +418,8 @@ def verified_pid(claimed: Any, spawned: int) -> int:
     except OSError:
         pass
     return spawned
+
+
+def wall_of(monotonic: float) -> float:
+    """A time of the node's monotonic clock on the wall clock."""
+    return time.time() - (time.monotonic() - monotonic)

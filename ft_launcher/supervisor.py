@@ -27,7 +27,7 @@ from ft_launcher.config import LaunchConfig
 from ft_launcher.ledger import Ledger
 from ft_launcher.liveness import HangVerdict
 from ft_launcher.metrics import MetricsExporter
-from ft_launcher.monitor import Monitor, RankSlot
+from ft_launcher.monitor import Monitor, RankSlot, wall_of
 from ft_launcher.policy import CycleResult, Decision, JobState, Outcome, WorkerExit
 from ft_launcher.rendezvous import C10dRendezvous, RoundInfo, StaticRendezvous
 from ft_launcher.rundir import RunDir
@@ -43,7 +43,7 @@ FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 PASS_THROUGH_SIGNALS = (signal.SIGUSR1,)  # handed to the workers, the job goes on
 TERMINATING_SIGNAL_NAMES = {signal.Signals(s).name for s in FORWARDED_SIGNALS}
 SIGNAL_SETTLE_S = 0.2
-MESSAGE_BATCH_S = 0.05
+MESSAGE_BATCH_S = 0.25
 # A flood of messages is read in bounded batches; verdicts wait for the queue to empty, but
 # never longer than this (a flood cannot postpone a real hang for ever).
 MAX_JUDGE_DELAY_S = 10.0
@@ -385,9 +385,10 @@ class Supervisor:
                            cause="backlog")
             queued_since = None if empty else (queued_since or now)
             may_judge = queued_since is None or now - queued_since > MAX_JUDGE_DELAY_S
-            if training_at is None and self.monitor.all_training():
-                training_at = time.time()
-                self.event("training_started")
+            if training_at is None:
+                training_at = self.monitor.training_since()
+                if training_at is not None:
+                    self.event("training_started", at=round(training_at, 6))
             if armed is not None and not armed.fired:
                 armed.start_clock(spawned_at, training_at, self.monitor.any_connected(),
                                   time.time())
@@ -531,11 +532,10 @@ class Supervisor:
 
     def _record_progress(self) -> None:
         """Each rank's last reported step, on record for the goodput ledger."""
-        wall = time.time() - time.monotonic()
         for r in self.monitor.liveness.ranks.values():
-            if r.iteration is not None:
+            if r.iteration is not None and r.progress_at is not None:
                 self.event("last_progress", rank=r.rank, iteration=r.iteration,
-                           at=round(wall + (r.progress_at or 0.0), 6))
+                           at=round(wall_of(r.progress_at), 6))
 
     def _progress_iteration(self) -> int | None:
         """The checkpoint progress of this cycle, for --ft-max-no-progress-cycles: the

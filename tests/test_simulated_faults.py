@@ -235,7 +235,7 @@ def test_random_fault_is_seeded_and_recovered(run_dir: Path, worker: str):
     injected = one(evs, "fault_injected")
     assert (injected["rank"], injected["fault_type"]) == (expected.rank, expected.fault_type)
     # The delay counts from the moment every rank is training (its first heartbeat).
-    started = one(evs, "training_started", cycle=0)["ts"]
+    started = one(evs, "training_started", cycle=0)["at"]
     assert 1.5 - 0.1 <= injected["at"] - started <= 2.5 + 0.1
     if expected.fault_type == "rank_hung":
         assert one(evs, "hang_detected")["rank"] == expected.rank
