@@ -1,8 +1,12 @@
-"""A small real DDP training on CPU (gloo) that checkpoints and resumes.
+"""A small real DDP training (CPU and gloo, or GPUs and NCCL) that checkpoints and resumes.
 
 Run it under ft_launcher (or torchrun, or plain python for one process):
 
     ft_launcher --nproc-per-node 2 --max-restarts 3 examples/train_ddp.py --steps 300
+
+With ``--device cuda`` each rank trains on ``cuda:LOCAL_RANK`` (the launcher's rotated
+``CUDA_VISIBLE_DEVICES`` makes that the rank's GPU) and DDP runs over NCCL, also with one
+rank, so NCCL is exercised on a single GPU.
 
 Every rank sends a heartbeat per step through ft_agent (a no-op outside ft_launcher).
 Rank 0 writes a checkpoint every --ckpt-every steps; after a restart every rank resumes
@@ -43,6 +47,8 @@ def parse_args() -> argparse.Namespace:
                    help="rank --hang-rank exits 3 at this step (first cycle only)")
     p.add_argument("--sections", action="store_true", help="time each step as a section")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cpu: gloo between ranks; cuda: cuda:LOCAL_RANK and NCCL, any world size")
     return p.parse_args()
 
 
@@ -63,6 +69,7 @@ def main() -> None:
     args = parse_args()
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     cycle = int(os.environ.get("FT_CYCLE", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
     ckpt_dir = Path(args.ckpt_dir or Path(os.environ.get("FT_RUN_DIR", ".")) / "ckpt")
     ckpt_path = ckpt_dir / "ckpt.pt"
@@ -73,21 +80,27 @@ def main() -> None:
 
     ft = RankMonitorClient()
     ft.init_workload_monitoring()
-    if world > 1:
-        dist.init_process_group("gloo")
+    device = torch.device("cuda", local_rank) if args.device == "cuda" else torch.device("cpu")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world > 1 or device.type == "cuda":
+        dist.init_process_group(backend)
+    print(f"rank {rank} cycle {cycle}: device {device} backend "
+          f"{backend if dist.is_initialized() else 'none'} world {world}", flush=True)
     torch.manual_seed(args.seed)
-    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1)).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     start = 0
     if ckpt_path.exists():
-        state = torch.load(ckpt_path, weights_only=True)
+        state = torch.load(ckpt_path, weights_only=True, map_location=device)
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         start = state["step"]
         print(f"rank {rank} cycle {cycle}: resumed from step {start}", flush=True)
-    ddp = DistributedDataParallel(model) if world > 1 else model
+    ddp = DistributedDataParallel(model) if dist.is_initialized() else model
 
-    loss = torch.tensor(0.0)
+    loss = torch.tensor(0.0, device=device)
     for step in range(start + 1, args.steps + 1):
         if args.sections:
             ft.start_section("step")
@@ -95,7 +108,7 @@ def main() -> None:
             hang_forever()
         if cycle == 0 and rank == args.hang_rank and step == args.fail_at_step:
             os._exit(3)
-        x, y = batch(step, args.seed, rank)
+        x, y = (t.to(device) for t in batch(step, args.seed, rank))
         loss = nn.functional.mse_loss(ddp(x), y)
         opt.zero_grad()
         loss.backward()
@@ -107,7 +120,7 @@ def main() -> None:
         ft.send_heartbeat()
         ft.report_progress(step)  # the launcher's goodput ledger counts steps from these
         print(f"rank {rank} cycle {cycle} step {step} loss {loss.item():.6f}", flush=True)
-        stop = should_stop(bool(stop_requested), world)
+        stop = should_stop(bool(stop_requested), world, device)
         if step % args.ckpt_every == 0 or step == args.steps or stop:
             save_checkpoint(rank, step, model, opt, ckpt_dir, ckpt_path)
             if world > 1:
@@ -121,15 +134,15 @@ def main() -> None:
             result = {"steps": args.steps, "final_loss": round(loss.item(), 6), "cycle": cycle}
             (ckpt_dir / "result.json").write_text(json.dumps(result))
     ft.shutdown_workload_monitoring()
-    if world > 1:
+    if dist.is_initialized():
         dist.destroy_process_group()
 
 
-def should_stop(requested: bool, world: int) -> bool:
+def should_stop(requested: bool, world: int, device: torch.device) -> bool:
     """True on every rank once any rank got SIGUSR1, so all stop at the same step."""
     if world == 1:
         return requested
-    flag = torch.tensor([1.0 if requested else 0.0])
+    flag = torch.tensor([1.0 if requested else 0.0], device=device)  # NCCL: a CUDA tensor
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
 

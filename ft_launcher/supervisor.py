@@ -22,7 +22,7 @@ from typing import Any
 
 import zmq
 
-from ft_launcher import blame, faults, policy, stacks
+from ft_launcher import blame, faults, nccl_trace, policy, stacks
 from ft_launcher.config import LaunchConfig
 from ft_launcher.ledger import Ledger
 from ft_launcher.liveness import HangVerdict
@@ -331,6 +331,11 @@ class Supervisor:
                 os.environ, cycle, local_rank, token=token, stack_file=str(stack_file),
                 error_file=str(self.rundir.cycle_log_dir(self.cycle) / f"rank_{rank}_error.json"),
                 simulated_fault=fault)
+            # NCCL's flight recorder, when the user turned it on: dumps land in ipc/.
+            traces = nccl_trace.worker_env(env, self.rundir.private)
+            if traces:
+                nccl_trace.trace_dir(self.rundir.private)
+                env.update(traces)
             echo = cfg.redirects.get(local_rank, 0) == 0 or cfg.tee.get(local_rank, 0) != 0
             if cfg.local_ranks_filter is not None and local_rank not in cfg.local_ranks_filter:
                 echo = False
@@ -517,6 +522,11 @@ class Supervisor:
         targets = [stacks.StackTarget(w.rank, w.pid, self.monitor.agent_pid(w.rank),
                                       self.monitor.stack_file(w.rank)) for w in alive]
         by_rank = {w.rank: w for w in alive}
+        # NCCL's flight recorder (TORCH_NCCL_TRACE_BUFFER_SIZE set) dumps on a pipe request,
+        # collected below next to the Python stacks.
+        traces = nccl_trace.trace_settings(alive[0].spec.env) if alive else None
+        asked_at = time.time()
+        asked = nccl_trace.request_dumps(traces, list(by_rank)) if traces else []
 
         def signal_agent(t: stacks.StackTarget) -> bool:
             return t.agent_pid is not None and group.signal_process(
@@ -526,6 +536,12 @@ class Supervisor:
         dumped = stacks.write(self.rundir.stacks, self.cycle, texts)
         self.event("stacks_dumped", ranks=dumped,
                    missing=[w.rank for w in alive if w.rank not in dumped])
+        if traces is not None:
+            got = nccl_trace.collect_traces(
+                self.rundir.stacks, self.cycle, traces.dump_prefix, list(by_rank),
+                since=asked_at, wait_s=max(0.0, asked_at + nccl_trace.WAIT_S - time.time()))
+            self.event("nccl_traces_collected", ranks=sorted(got.collected), asked=asked,
+                       missing=got.missing)
         return texts
 
     # -- end of job --------------------------------------------------------------------

@@ -25,8 +25,6 @@ def _launch(run_dir: Path, env: dict[str, str]):
                         "--ft-rank-heartbeat-timeout", "3", JOB, env=env, timeout=100)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 16: the supervisor does not call "
-                   "ft_launcher.nccl_trace yet (remove this mark once it does)")
 def test_launcher_collects_flight_recorder_dumps_on_a_hang(run_dir):
     res = _launch(run_dir, {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000"})  # all a user sets
     assert res.returncode == 0, res.stdout[-3000:]
