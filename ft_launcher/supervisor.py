@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -66,6 +67,11 @@ def count_gpus() -> int:
         return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
     try:
         return len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        pass
+    # Containers may hide /proc/driver/nvidia but still pass the device files in.
+    try:
+        return len([n for n in os.listdir("/dev") if re.fullmatch(r"nvidia\d+", n)])
     except OSError:
         return 0
 
