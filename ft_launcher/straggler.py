@@ -260,15 +260,18 @@ def speed_table(events: Iterable[Mapping[str, Any]], section: str = "compute"
 
     Medians come from the ``interval_stats`` events of kind ``section:<section>`` (``p50``),
     written at the end of each cycle; ``straggler`` marks ranks with a ``straggler_detected``
-    event in that cycle. Rows are ``speed_rows`` plus ``cycle`` and ``count``. Malformed
-    events are skipped.
+    event in that cycle; ``host`` is that event's, else the launcher's (``launcher_started``).
+    Rows are ``speed_rows`` plus ``cycle`` and ``count``. Malformed events are skipped.
     """
     kind = f"section:{section}"
     per_cycle: dict[int, dict[int, float]] = {}
     counts: dict[tuple[int, int], int] = {}
     hosts: dict[tuple[int, int], str] = {}
     detected: dict[int, set[int]] = {}
+    launcher_host = ""
     for e in events:
+        if e.get("event") == "launcher_started" and isinstance(e.get("host"), str):
+            launcher_host = e["host"]
         cycle, rank = e.get("cycle"), e.get("rank")
         if not (_valid_rank(cycle) and _valid_rank(rank)):
             continue
@@ -283,7 +286,8 @@ def speed_table(events: Iterable[Mapping[str, Any]], section: str = "compute"
     rows = []
     for cycle in sorted(per_cycle):
         medians = per_cycle[cycle]
-        cycle_hosts = {r: h for (c, r), h in hosts.items() if c == cycle}
+        cycle_hosts = {r: launcher_host for r in medians}
+        cycle_hosts.update({r: h for (c, r), h in hosts.items() if c == cycle})
         for row in speed_rows(medians, cycle_hosts, detected.get(cycle, ())):
             rows.append({"cycle": cycle, **row, "count": counts[(cycle, row["rank"])]})
     return rows

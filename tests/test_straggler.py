@@ -231,7 +231,7 @@ def test_scores_leave_the_rank_itself_out():
 
 
 def test_speed_table_from_a_runs_events():
-    events = [
+    events = [{"event": "launcher_started", "cycle": 0, "host": "n0"}] + [
         {"event": "interval_stats", "cycle": 0, "rank": r, "kind": "section:compute",
          "count": 50, "p50": p50, "min": 0, "p99": 1, "max": 1}
         for r, p50 in enumerate((0.1, 0.1, 0.2, 0.1))
@@ -256,6 +256,48 @@ def test_speed_table_from_a_runs_events():
     slow = rows[2]
     assert slow == {"cycle": 0, "rank": 2, "host": "n1", "median_s": 0.2, "score": 2.0,
                     "speed": 0.5, "straggler": True, "count": 50}
-    assert rows[0]["score"] == 1.0 and not rows[0]["straggler"]
+    assert rows[0]["score"] == 1.0 and not rows[0]["straggler"] and rows[0]["host"] == "n0"
     assert all(r["speed"] == 1.0 for r in rows[4:])
     assert speed_table(events, section="step") == []
+
+
+# -- --ft-straggler-* options (ft_launcher/config.py, ft_launcher/cli.py) -----------------
+
+
+def test_straggler_options_defaults_flags_and_yaml(tmp_path):
+    from ft_launcher.cli import build_ft_config
+
+    ft = build_ft_config(None, {})
+    assert (ft.straggler_threshold, ft.straggler_action, ft.straggler_window,
+            ft.straggler_section) == (1.3, "report", 20, "compute")
+    cfg = tmp_path / "ft.yaml"
+    cfg.write_text("fault_tolerance:\n  straggler_threshold: 1.5\n  straggler_window: 30\n"
+                   "  straggler_action: exclude\n  straggler_section: fwd_bwd\n")
+    ft = build_ft_config(str(cfg), {"straggler_action": "restart"})  # the flag wins
+    assert (ft.straggler_threshold, ft.straggler_action, ft.straggler_window,
+            ft.straggler_section) == (1.5, "restart", 30, "fwd_bwd")
+    StragglerDetector(ft.straggler_threshold, ft.straggler_window, ft.straggler_section)
+
+
+@pytest.mark.parametrize("flag, value, words", [
+    ("--ft-straggler-threshold", "1", "must be greater than 1"),
+    ("--ft-straggler-threshold", "0.5", "must be greater than 1"),
+    ("--ft-straggler-threshold", "nan", "must be a finite number"),
+    ("--ft-straggler-threshold", "slow", "expected a number"),
+    ("--ft-straggler-window", "2", "must be in [3, 100000]"),
+    ("--ft-straggler-window", "twenty", "expected an integer"),
+    ("--ft-straggler-action", "kill", "expected one of report, restart, exclude"),
+    ("--ft-straggler-section", " ", "expected a section name"),
+])
+def test_bad_straggler_options_are_one_error_naming_the_option(flag, value, words, tmp_path):
+    from click.testing import CliRunner
+
+    from ft_launcher.cli import cli
+
+    script = tmp_path / "train.py"
+    script.write_text("")
+    result = CliRunner().invoke(cli, ["--ft-run-dir", str(tmp_path / "run"), flag, value,
+                                      str(script)])
+    assert result.exit_code == 1
+    assert f"Error: {flag}: " in result.output and words in result.output, result.output
+    assert not (tmp_path / "run").exists()
