@@ -278,6 +278,22 @@ def build_ft_config(cfg_path: str | None, given: dict[str, Any],
     return FaultToleranceConfig.from_values(values)
 
 
+class Seconds(click.ParamType):
+    """A finite number of seconds in [low, high] (click's FloatRange lets NaN through)."""
+
+    name = "seconds"
+
+    def __init__(self, low: float, high: float) -> None:
+        self.low, self.high = low, high
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> float:
+        try:
+            return agent_config.parse_number("value", value, self.low, self.high,
+                                             low_inclusive=True)
+        except ConfigError as exc:
+            self.fail(str(exc).removeprefix("value: "), param, ctx)
+
+
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
 
@@ -314,7 +330,7 @@ CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 @click.option("--max-restarts", "--max_restarts", "max_restarts", type=click.IntRange(min=0),
               default=0, show_default=True, help="Restarts of the worker group before giving up.")
 @click.option("--monitor-interval", "--monitor_interval", "monitor_interval",
-              type=click.FloatRange(min=0.001), default=0.1, show_default=True,
+              type=Seconds(0.001, 3600.0), default=0.1, show_default=True,
               help="Seconds between checks of workers and other nodes.")
 @click.option("--log-dir", "--log_dir", "log_dir", default=None,
               help="Directory for worker logs [RUN_DIR/logs].")
@@ -329,10 +345,10 @@ CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
               help="TRAINING_SCRIPT is an executable, not a Python file.")
 @click.option("--run-path", "--run_path", "run_path", is_flag=True,
               help="Run the script by path (the default here; accepted for torchrun).")
-@click.option("--term-timeout", "--term_timeout", "term_timeout", type=click.FloatRange(min=0),
+@click.option("--term-timeout", "--term_timeout", "term_timeout", type=Seconds(0.0, 86400.0),
               default=30.0, show_default=True,
               help="Grace for workers after the launcher gets SIGTERM/SIGINT.")
-@click.option("--workers-stop-timeout", "workers_stop_timeout", type=click.FloatRange(min=0),
+@click.option("--workers-stop-timeout", "workers_stop_timeout", type=Seconds(0.0, 86400.0),
               default=15.0, show_default=True,
               help="Grace between SIGTERM and SIGKILL when stopping a group.")
 @click.option("--ft-run-dir", "run_dir", default=None,

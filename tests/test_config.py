@@ -404,3 +404,15 @@ def test_readme_porting_section_names_every_nvrx_setting():
         parts = flag.split("-")  # families such as --ft-attribution-* are named once
         families = {f"`--ft-{'-'.join(parts[:n])}-*`" for n in range(1, len(parts))}
         assert f"`--ft-{flag}`" in section or any(f in section for f in families), flag
+
+
+@pytest.mark.parametrize("args", [["--monitor-interval", "nan"], ["--term-timeout", "inf"],
+                                  ["--workers-stop-timeout", "-1"],
+                                  ["--monitor-interval", "0"]])
+def test_torchrun_numbers_are_finite_and_in_range(args):
+    import click
+
+    with pytest.raises(click.BadParameter, match="finite|at least") as err:
+        _parse_cli(args)
+    assert f"'{args[0]}'" in err.value.format_message()
+    assert _parse_cli([args[0], "1.5"])[args[0].lstrip("-").replace("-", "_")] == 1.5
