@@ -250,7 +250,31 @@ def install_poll_interval(poll_s: float) -> bool:
 
     delay.ft_original = original  # type: ignore[attr-defined]
     dr._delay = delay
+    install_cheap_method_names()
     return True
+
+
+def install_cheap_method_names() -> None:
+    """torch names each rendezvous event after its caller with ``inspect.stack()``, which
+    reads the source of every frame: 5 ms a call, tens per round, a second per round on a
+    loaded node. The same name comes from the frame itself."""
+    import sys
+
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    original = getattr(dr, "get_method_name", None)
+    if original is None:
+        return
+    original = getattr(original, "ft_original", original)
+
+    def get_method_name(depth: int = 2) -> str:
+        try:
+            return sys._getframe(depth).f_code.co_name
+        except ValueError:
+            return "no_method_name"
+
+    get_method_name.ft_original = original  # type: ignore[attr-defined]
+    dr.get_method_name = get_method_name
 
 
 def _observed_holder(backend: Any, settings: Any, cache_s: float,
@@ -308,10 +332,23 @@ def _etcd_backend(endpoint: str, run_id: str, timings: RendezvousTimings,
         "cert": (cert, key) if cert and key else cert,
         "ca_cert": extra.pop("ca_cert", None),
     }
+    # One line per failed member request is enough; urllib3's retries say it three times.
+    logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
+    logging.getLogger("etcd.client").setLevel(logging.WARNING)
+
+    class QuorumClient(etcd.Client):
+        """Reads go through the raft leader: a lagging member's stale state would let two
+        nodes each believe they completed a round (etcd v2 reads are local by default)."""
+
+        def read(self, key: str, **kwargs: Any) -> Any:
+            if not kwargs.get("wait"):
+                kwargs.setdefault("quorum", True)
+            return super().read(key, **kwargs)
+
     if len(hosts) == 1:
-        client = etcd.Client(host=hosts[0][0], port=hosts[0][1], **kwargs)
+        client = QuorumClient(host=hosts[0][0], port=hosts[0][1], **kwargs)
     else:
-        client = etcd.Client(host=tuple(hosts), **kwargs)
+        client = QuorumClient(host=tuple(hosts), **kwargs)
     backend = EtcdRendezvousBackend(client, run_id, key_prefix=ETCD_RDZV_PREFIX)
     store = EtcdStore(client, ETCD_STORE_PREFIX, timeout=timedelta(seconds=timings.dead_after))
     return backend, store

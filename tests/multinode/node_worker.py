@@ -3,8 +3,8 @@
 argv: OUT_DIR. Each step appends {"t", "node", "cycle", "rank", "world", "step", "sum"} to
 OUT_DIR/steps.jsonl (one short write with O_APPEND: lines of several ranks never mix).
 Rank 0 stops the job when OUT_DIR/stop exists; the decision travels in the all-reduce, so
-every rank leaves at the same step. FAIL_RANK / FAIL_CYCLE / FAIL_STEP: that global rank
-exits 5 at that step of that cycle. STEP_S: pause per step (default 0.05 s).
+every rank leaves at the same step. FAIL_RANK / FAIL_STEP: that global rank exits 5 at that
+step, once per job (OUT_DIR/failed marks it done). STEP_S: pause per step (default 0.05 s).
 """
 
 import json
@@ -27,8 +27,7 @@ rank, world = dist.get_rank(), dist.get_world_size()
 cycle = int(os.environ["FT_CYCLE"])
 node = os.path.basename(os.environ["FT_RUN_DIR"])
 step_s = float(os.environ.get("STEP_S", "0.05"))
-fail = (os.environ.get("FAIL_RANK"), os.environ.get("FAIL_CYCLE", "0"),
-        os.environ.get("FAIL_STEP", "10"))
+fail = (os.environ.get("FAIL_RANK"), os.environ.get("FAIL_STEP", "10"))
 fd = os.open(out / "steps.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 step = 0
 while True:
@@ -41,7 +40,8 @@ while True:
     client.send_heartbeat()
     if t[1].item() > 0:
         break
-    if (str(rank), str(cycle), str(step)) == fail:
+    if (str(rank), str(step)) == fail and world > 1 and not (out / "failed").exists():
+        (out / "failed").touch()
         sys.exit(5)
     step += 1
     time.sleep(step_s)

@@ -73,6 +73,21 @@ def test_poll_interval_replaces_torchs_fixed_one_second():
     install_poll_interval(RendezvousTimings().poll_interval)
 
 
+def test_event_names_are_those_torch_would_compute_without_reading_source():
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    install_poll_interval(RendezvousTimings().poll_interval)
+
+    def record():  # stands for torch's _record(), which asks who called it
+        return dr.get_method_name(), dr.get_method_name.ft_original()
+
+    def _keep_alive():
+        return record()
+
+    ours, torchs = _keep_alive()
+    assert ours == torchs == "_keep_alive"
+
+
 def _rdzv(port: int, run_id: str, max_nodes: int = 1, events=None, **conf: str):
     return DynamicRendezvous(f"127.0.0.1:{port}", run_id, 1, max_nodes, dict(conf), None,
                              events=events)
