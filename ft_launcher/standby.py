@@ -321,13 +321,14 @@ class StandbyPool:
         self.standbys: dict[int, Standby] = {}
         self.env = dict(os.environ)
         if cfg.nproc_per_node > 1 and "OMP_NUM_THREADS" not in self.env:
-            self.env["OMP_NUM_THREADS"] = "1"  # what the workers get (supervisor's rule)
+            self.env["OMP_NUM_THREADS"] = "1"  # what the workers get (worker_env's rule)
         self._cycle_start = time.monotonic()
         self._early_deaths: dict[int, int] = {}
         self._max_starting = max(1, (os.cpu_count() or 1) // 2)
         self._held: list[tuple[str, dict[str, Any]]] | None = []  # events before the first call
         self.zygote: _Zygote | None = None
         self.forking = False  # standbys come from the zygote (else: spawned)
+        self.adopting = False  # this process is a child subreaper: it reaps adopted orphans
         self.store: ChildProcess | None = None  # this cycle's TCPStore host (take_store)
         self.spare_store: tuple[int, ChildProcess] | None = None  # the next cycle's
         self._store_requested = False
@@ -379,6 +380,8 @@ class StandbyPool:
 
     def tick(self, training_started: bool) -> None:
         """Zygote messages; report ready and dead standbys; fork or spawn missing ones."""
+        if self.adopting:
+            reap_orphans()  # one waitid() when there is nothing to reap
         if not self.enabled:
             return
         self._release_events()
@@ -407,9 +410,7 @@ class StandbyPool:
                     self._fork(local_rank)
         elif self.zygote is None and running:
             self._spawn_missing()
-        if self.forking:
-            self._dying = [p for p in self._dying if p.poll() is None]
-            reap_orphans()
+        self._dying = [p for p in self._dying if p.poll() is None]
 
     def close(self) -> None:
         """SIGKILL every standby's process group and the zygote, and reap them."""
@@ -442,7 +443,8 @@ class StandbyPool:
             self.zygote.stop()
             self.zygote = None
         self.forking = False
-        reap_orphans()
+        if self.adopting:
+            reap_orphans()
 
     def take_store(self) -> int | None:
         """The port of a TCPStore server that already listens, for the cycle about to start.
@@ -497,7 +499,8 @@ class StandbyPool:
 
     def _start_zygote(self) -> None:
         assert self.entry is not None
-        if not become_subreaper():
+        self.adopting = become_subreaper()
+        if not self.adopting:
             self._fallback("the launcher cannot adopt forked standbys "
                            "(prctl PR_SET_CHILD_SUBREAPER failed)")
             return
@@ -516,6 +519,10 @@ class StandbyPool:
             return
         finally:
             theirs.close()
+        try:  # idle from its first instruction (it also sets this itself, a little later)
+            os.sched_setscheduler(proc.pid, os.SCHED_IDLE, os.sched_param(0))
+        except (AttributeError, OSError):
+            pass
         ours.setblocking(False)
         assert proc.stdout is not None
         pump = threading.Thread(target=_copy_lines, args=(proc.stdout, _Sink(log_file, None)),

@@ -83,6 +83,7 @@ def _train_and_kill_rank1(run_dir: Path, warm: bool) -> dict[tuple[int, int], st
     return {k: v.pop() for k, v in losses.items()}
 
 
+@pytest.mark.slow  # two 300-step trainings: about 2 minutes on 2 busy cores
 def test_warm_restart_trains_exactly_like_a_cold_restart(tmp_path, run_dir):
     warm_dir = run_dir
     cold_dir = tmp_path / "cold_run"
@@ -416,15 +417,22 @@ def test_no_python_runs_cold_with_one_event(tmp_path, run_dir):
     assert named(events(run_dir), "workers_started")[0]["warm"] == [False]
 
 
-def test_off_by_default_no_standby(tmp_path, run_dir):
+@pytest.mark.parametrize("how", ["default", "flag over yaml"])
+def test_off_by_default_no_standby(tmp_path, run_dir, how):
     script = tmp_path / "hb.py"
     script.write_text("from ft_agent import RankMonitorClient\n"
                       "import time\nft = RankMonitorClient()\nft.init_workload_monitoring()\n"
                       "for _ in range(20):\n    ft.send_heartbeat()\n    time.sleep(0.05)\n")
-    res = run_launcher(run_dir, "--nproc-per-node", "2", str(script), timeout=60)
+    args = []
+    if how == "flag over yaml":  # --no-ft-warm-restart wins over the file's warm_restart
+        cfg = tmp_path / "ft.yaml"
+        cfg.write_text("fault_tolerance:\n  warm_restart: true\n")
+        args = ["--ft-cfg-path", str(cfg), "--no-ft-warm-restart"]
+    res = run_launcher(run_dir, "--nproc-per-node", "2", *args, str(script), timeout=60)
     assert res.returncode == 0, res.stdout
     names = {e["event"] for e in events(run_dir)}
-    assert not names & {"standby_ready", "standby_died", "warm_restart_disabled"}
+    assert not names & {"standby_ready", "standby_died", "warm_restart_disabled", "zygote_ready",
+                        "zygote_fallback"}
     assert not (run_dir / "logs" / "standby").exists()
 
 
