@@ -66,7 +66,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -76,7 +75,8 @@ from typing import IO, Any
 import psutil
 
 from ft_launcher.config import LaunchConfig
-from ft_launcher.workers import Worker, WorkerSpec, spawn_process
+from ft_launcher.output import LineHook, OutputPump, Sink, open_log
+from ft_launcher.workers import GUARDIAN, Worker, WorkerSpec, spawn_process
 
 log = logging.getLogger("ft_launcher")
 
@@ -120,27 +120,6 @@ class PythonEntry:
         return os.path.dirname(os.path.realpath(self.target))
 
 
-class _Sink:
-    """Where a standby's output lines go: a log file, and the console with a prefix."""
-
-    def __init__(self, log_file: IO[bytes], prefix: bytes | None) -> None:
-        self.log_file = log_file
-        self.prefix = prefix
-
-    def write(self, line: bytes) -> None:
-        self.log_file.write(line)
-        self.log_file.flush()
-        if self.prefix is not None:
-            try:
-                sys.stdout.buffer.write(self.prefix + line)
-                sys.stdout.buffer.flush()
-            except (OSError, ValueError):
-                self.prefix = None
-
-    def close(self) -> None:
-        self.log_file.close()
-
-
 @dataclass
 class Standby:
     """One standby process; the pump thread fills in what the process tells."""
@@ -148,19 +127,19 @@ class Standby:
     local_rank: int
     nonce: str
     spawned_at: float
-    sink: _Sink
+    sink: Sink  # before activation: the standby log
     stdin: IO[bytes]
     stdout: IO[bytes]
     proc: subprocess.Popen | ChildProcess | None  # None: forked, pid not told yet
     forked: bool = False
-    cycle_sink: _Sink | None = None  # set by take() before the activation record is sent
+    cycle_sink: Sink | None = None  # set by take() before the activation record is sent
     told_pid: int | None = None  # a forked standby's own pid, once adopted
     ready_s: float | None = None  # import (spawned) or fork-to-ready (forked) time it reported
     ready_at: float | None = None
     threads: int | None = None
     failure: str | None = None  # "module: error" when a preload failed
     reported: bool = False
-    pump: threading.Thread | None = field(default=None, repr=False)
+    pump: OutputPump | None = field(default=None, repr=False)
 
     @property
     def pid(self) -> int | None:
@@ -219,38 +198,25 @@ class ChildProcess:
         return code
 
 
-def _pump(sb: Standby) -> None:
-    # Copies the standby's merged output to its sink, line by line, and takes the lines
-    # marked with its nonce as messages. The "start" message switches to the cycle's log:
-    # it is written after the activation record arrived, so nothing printed before
-    # activation lands in the cycle's log and nothing after it is lost.
+def _messages(sb: Standby) -> LineHook:
+    """The output pump's line hook: lines marked with the standby's nonce are messages to
+    the launcher, kept out of every log. The "start" message switches the pump to the
+    cycle's log: it is written after the activation record arrived, so nothing printed
+    before activation lands in the cycle's log and nothing after it is lost."""
     mark = f"@@ft-standby {sb.nonce} ".encode()
-    stream = sb.stdout
-    sink = sb.sink
-    try:
-        for line in iter(stream.readline, b""):
-            at = line.find(mark)
-            if at < 0:
-                sink.write(line)
-                continue
-            if at > 0:  # a partial line printed just before the message
-                sink.write(line[:at] + b"\n")
-            if sb.handle(line[at + len(mark):].decode(errors="replace").strip()) \
-                    and sb.cycle_sink is not None:
-                sink.close()
-                sink = sb.cycle_sink
-    finally:
-        stream.close()
-        sink.close()
-        if sb.cycle_sink is not None and sb.cycle_sink is not sink:
-            sb.cycle_sink.close()
 
+    def on_line(pump: OutputPump, chunk: bytes) -> bool:
+        at = chunk.find(mark)
+        if at < 0:
+            return False
+        if at > 0:  # a partial line printed just before the message
+            pump.sink.write(chunk[:at] + b"\n")
+        if sb.handle(chunk[at + len(mark):].decode(errors="replace").strip()) \
+                and sb.cycle_sink is not None:
+            pump.swap_sink(sb.cycle_sink)
+        return True
 
-def _copy_lines(stream: IO[bytes], sink: _Sink) -> None:
-    with stream:
-        for line in iter(stream.readline, b""):
-            sink.write(line)
-    sink.close()
+    return on_line
 
 
 def _encode_record(cwd: str, entry: PythonEntry, args: list[str],
@@ -269,7 +235,7 @@ class _Zygote:
 
     proc: subprocess.Popen
     ctl: socket.socket
-    pump: threading.Thread
+    pump: OutputPump
     started_at: float
     ready: bool = False
     raised: bool = False  # back to normal scheduling (it starts under SCHED_IDLE)
@@ -297,14 +263,7 @@ class _Zygote:
 
     def stop(self) -> None:
         self.ctl.close()
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            self.proc.wait(timeout=5.0)
-        except subprocess.TimeoutExpired:
-            log.warning("zygote pid %d did not exit after SIGKILL", self.proc.pid)
+        _kill_group(self.proc)
         self.pump.join(timeout=2.0)
 
 
@@ -358,7 +317,7 @@ class StandbyPool:
             self._report_ready(sb)
         record = _encode_record(os.getcwd(), entry, spec.argv[n:], spec.env)
         prefix = f"[rank{spec.rank}]: ".encode() if spec.echo else None
-        sb.cycle_sink = _Sink(open(spec.log_path, "ab", buffering=0), prefix)  # noqa: SIM115
+        sb.cycle_sink = Sink(open_log(spec.log_path), prefix, label=f"rank {spec.rank}")
         try:
             sb.stdin.write(record)
             sb.stdin.close()
@@ -416,19 +375,12 @@ class StandbyPool:
         """SIGKILL every standby's process group and the zygote, and reap them."""
         standbys = list(self.standbys.values())
         self.standbys.clear()
-        for sb in standbys:
-            self._adopt(sb)
-            if sb.pid is not None and sb.proc is not None:
-                try:
-                    os.killpg(sb.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
+        for sb in standbys:  # every group first, then the waiting
+            if self._adopt(sb):
+                _kill_group(sb.proc, wait=False)
         for sb in standbys:
             if sb.proc is not None:
-                try:
-                    sb.proc.wait(timeout=5.0)
-                except subprocess.TimeoutExpired:  # unkillable (D state): leave it to the kernel
-                    log.warning("standby pid %d did not exit after SIGKILL", sb.pid)
+                _kill_group(sb.proc)
             sb.stdin.close()  # a forked one not yet adopted exits when it reads EOF
             if sb.pump is not None:
                 sb.pump.join(timeout=2.0)
@@ -486,6 +438,7 @@ class StandbyPool:
         if len(fields) == 2 and all(f.isdigit() for f in fields) \
                 and _parent_of(int(fields[1])) == os.getpid():
             self.spare_store = (int(fields[0]), ChildProcess(int(fields[1])))
+            GUARDIAN.register(int(fields[1]), str(self.cfg.run_dir))
 
     def _end_store(self) -> None:
         # SIGKILL now, reap later (tick, close): a restart does not wait for it.
@@ -509,11 +462,11 @@ class StandbyPool:
                 str(self.cfg.run_dir.absolute()), self.entry.sys_path0(),
                 ",".join(self.cfg.ft.preload), str(os.getpid())]
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        log_file = open(self.log_dir / "zygote.log", "ab", buffering=0)  # noqa: SIM115
+        sink = Sink(open_log(self.log_dir / "zygote.log"), None, label="zygote")
         try:
             proc = spawn_process(argv, self.env, stdin=theirs.fileno())
         except OSError as exc:
-            log_file.close()
+            sink.close()
             ours.close()
             self._fallback(f"cannot spawn the zygote: {exc}")
             return
@@ -525,9 +478,7 @@ class StandbyPool:
             pass
         ours.setblocking(False)
         assert proc.stdout is not None
-        pump = threading.Thread(target=_copy_lines, args=(proc.stdout, _Sink(log_file, None)),
-                                daemon=True, name="ft-zygote-log")
-        pump.start()
+        pump = OutputPump(proc.stdout, sink, name="ft-zygote-log").start()
         self.zygote = _Zygote(proc, ours, pump, time.monotonic())
         log.debug("zygote spawned: pid %d", proc.pid)
 
@@ -581,7 +532,7 @@ class StandbyPool:
             os.close(in_r)
             os.close(out_w)
         log_path = self.log_dir / f"local_rank_{local_rank}.log"
-        sink = _Sink(open(log_path, "ab", buffering=0), None)  # noqa: SIM115
+        sink = Sink(open_log(log_path), None, label=f"standby {local_rank}")
         sb = Standby(local_rank, nonce, time.monotonic(), sink, os.fdopen(in_w, "wb", 0),
                      os.fdopen(out_r, "rb"), None, forked=True)
         self._start_pump(sb)
@@ -591,6 +542,8 @@ class StandbyPool:
         if sb.proc is None and sb.told_pid is not None:
             if _parent_of(sb.told_pid) == os.getpid():
                 sb.proc = ChildProcess(sb.told_pid)
+                # Its group dies with the launcher, however the launcher dies (guardian.py).
+                GUARDIAN.register(sb.told_pid, str(self.cfg.run_dir))
             else:
                 sb.failure = sb.failure or f"standby pid {sb.told_pid} is not the launcher's child"
         return sb.proc is not None
@@ -647,21 +600,20 @@ class StandbyPool:
                 self.entry.sys_path0(), ",".join(self.cfg.ft.preload)]
         log_path = self.log_dir / f"local_rank_{local_rank}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        log_file = open(log_path, "ab", buffering=0)  # noqa: SIM115
+        sink = Sink(open_log(log_path), None, label=f"standby {local_rank}")
         try:
             proc = spawn_process(argv, self.env, stdin=subprocess.PIPE)
         except OSError:
-            log_file.close()
+            sink.close()
             raise
         assert proc.stdin is not None and proc.stdout is not None
-        sb = Standby(local_rank, nonce, time.monotonic(), _Sink(log_file, None), proc.stdin,
+        sb = Standby(local_rank, nonce, time.monotonic(), sink, proc.stdin,
                      proc.stdout, proc)
         self._start_pump(sb)
 
     def _start_pump(self, sb: Standby) -> None:
-        sb.pump = threading.Thread(target=_pump, args=(sb,), daemon=True,
-                                   name=f"ft-standby-{sb.local_rank}")
-        sb.pump.start()
+        sb.pump = OutputPump(sb.stdout, sb.sink, name=f"ft-standby-{sb.local_rank}",
+                             on_line=_messages(sb)).start()
         self.standbys[sb.local_rank] = sb
         log.debug("standby for local rank %d %s", sb.local_rank,
                   "requested from the zygote" if sb.forked else f"spawned: pid {sb.pid}")
@@ -677,6 +629,8 @@ class StandbyPool:
 
     def _on_exit(self, sb: Standby) -> None:
         del self.standbys[sb.local_rank]
+        if sb.proc is not None:
+            _kill_group(sb.proc, wait=False)  # what it may have left in its group
         if sb.pump is not None:
             sb.pump.join(timeout=1.0)  # its last lines may say why (a failed preload)
         if sb.failure:
@@ -716,6 +670,7 @@ def _kill_group(proc: subprocess.Popen | ChildProcess, wait: bool = True) -> Non
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+    GUARDIAN.unregister(proc.pid)
     if not wait:
         return
     try:
