@@ -346,14 +346,18 @@ def test_zygote_forks_standbys_fast_and_refills_them_after_each_restart(tmp_path
             if cycle == 2:
                 break
             victim = named(events(run_dir), "workers_started")[cycle]["pids"][1]
+            pids += named(events(run_dir), "workers_started")[cycle]["pids"]
             os.kill(victim, signal.SIGKILL)
             started = wait_for(lambda c=cycle: named(events(run_dir), "workers_started")[c + 1:],
                                30, f"the restart after cycle {cycle}")[0]
             assert started["warm"] == [True, True]
             assert sorted(started["pids"]) == sorted(e["pid"] for e in ready)
-        proc.send_signal(signal.SIGTERM)
+        warm_workers = named(events(run_dir), "workers_started")[2]["pids"]
+        assert all(psutil.Process(p).ppid() == proc.pid for p in warm_workers)
+        proc.kill()  # SIGKILL: the zygote, the standbys and the warm workers die with it
         proc.communicate(timeout=30)
-        wait_for(lambda: _gone(pids), 5, "the zygote and every standby to end")
+        wait_for(lambda: _gone(pids + warm_workers), 5,
+                 "the zygote, every standby and the warm workers to die")
     finally:
         proc.kill()
         proc.communicate()
