@@ -356,6 +356,8 @@ class StandbyPool:
                 self._adopt(sb)
             if sb.exited():
                 self._on_exit(sb)
+            elif sb.failure and sb.forked:  # the zygote did the preloads: forking went wrong
+                self._fallback(sb.failure)
             elif sb.failure:
                 self._disable(f"preload failed: {sb.failure}")
             elif sb.ready_at is not None and not sb.reported:
@@ -549,8 +551,10 @@ class StandbyPool:
         return sb.proc is not None
 
     def _fallback(self, reason: str) -> None:
-        """Forking is out for this job: say why once, spawn standbys from now on."""
-        forked = [sb for sb in self.standbys.values() if sb.forked]
+        """Forking is out for this job: say why once, spawn standbys from now on. Forked
+        standbys the launcher adopted stay (they need no zygote); the others go."""
+        forked = [sb for sb in self.standbys.values()
+                  if sb.forked and (sb.failure or not self._adopt(sb) or sb.ready_at is None)]
         for sb in forked:
             del self.standbys[sb.local_rank]
         if self.zygote is not None:
