@@ -48,13 +48,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--only", default=",".join(MEASURES))
     p.add_argument("--out", default="warm_restart_results.json")
+    p.add_argument("--preload", default=measures.WARM_PRELOAD, help="ours-warm's --ft-preload")
+    p.add_argument("--launchers", default=f"ours,{WARM}", help="for crash2 and clean")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     only = [m for m in args.only.split(",") if m]
-    ctx = Context(Launchers.default(), Settings(), Path(tempfile.mkdtemp(prefix="ftw-")))
+    settings = Settings(warm_preload=args.preload)
+    ctx = Context(Launchers.default(), settings, Path(tempfile.mkdtemp(prefix="ftw-")))
+    pair = tuple(x for x in ("ours", WARM) if x in args.launchers.split(","))
     doc: dict[str, Any] = {"machine": machine_info(), "started": time.time(), "runs": {}}
-    plan = [("crash2", measures.crash_twice, ("ours", WARM)),
-            ("clean", measures.clean, ("ours", WARM)),
+    plan = [("crash2", measures.crash_twice, pair),
+            ("clean", measures.clean, pair),
             ("memory", measures.standby_memory, (WARM,))]
     try:
         for name, func, launchers in plan:
