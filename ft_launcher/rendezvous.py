@@ -34,6 +34,9 @@ from ft_launcher.config import ConfigError
 log = logging.getLogger("ft_launcher")
 
 EventSink = Callable[..., Any]  # events(name, **fields), e.g. Supervisor.event
+# What recording an event may raise. Not Exception: the supervisor's signal handler raises
+# its own exception inside a blocking rendezvous, and that one must get through.
+OBSERVER_ERRORS = (OSError, ValueError, TypeError, KeyError, AttributeError)
 BACKENDS = ("c10d", "etcd-v2")
 ETCD_DEFAULT_PORT = 2379
 ETCD_RDZV_PREFIX = "/torch/elastic/rendezvous"  # torch's own key layout for etcd-v2
@@ -288,7 +291,7 @@ def _observed_holder(backend: Any, settings: Any, cache_s: float,
             result = super().sync()
             try:
                 observe(self.state)
-            except Exception:  # an observer must never break torch's state machine
+            except OBSERVER_ERRORS:  # an observer must never break torch's state machine
                 log.exception("rendezvous: state observer failed")
             return result
 
@@ -460,7 +463,7 @@ class DynamicRendezvous:
             return
         try:
             self.events(name, **fields)
-        except Exception:  # recording must never break the rendezvous
+        except OBSERVER_ERRORS:  # recording must never break the rendezvous
             log.exception("rendezvous: cannot record %s", name)
 
     def _observe(self, state: Any) -> None:

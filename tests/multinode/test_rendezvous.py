@@ -208,3 +208,38 @@ def test_a_lost_c10d_store_raises_rendezvous_lost_promptly():
             r.next_round()
     finally:
         r.shutdown()
+
+
+class _Interrupt(Exception):
+    """Stands for the supervisor's exception raised by its signal handler."""
+
+
+def test_an_interrupt_while_waiting_as_a_spare_gets_through():
+    port = free_ports(1)[0]
+    a = _rdzv(port, "interrupt")
+    seen = []
+
+    def events(name, **fields):
+        seen.append(name)
+        if name == "spare_waiting":
+            raise _Interrupt  # e.g. SIGTERM arrived while the event was being written
+
+    def broken(name, **fields):
+        raise OSError("disk full")  # a failure to record is not a reason to stop waiting
+
+    b = _rdzv(port, "interrupt", events=events)
+    try:
+        a.next_round()
+        with pytest.raises(_Interrupt):
+            b.next_round()
+        assert seen == ["spare_waiting"]
+        b.events = broken
+        thread, box = _in_thread(b.next_round)
+        time.sleep(1.0)
+        assert thread.is_alive() and b.waiting_as_spare  # still waiting, error logged
+        a.shutdown(close=False)
+        thread.join(10)
+        assert box["value"].group_world_size == 1
+    finally:
+        b.shutdown()
+        a.shutdown()
