@@ -181,13 +181,14 @@ def test_a_throttled_busy_loop_runs_at_about_one_factor_th_of_its_peers(spawn, f
     throttle.start()
     try:
         time.sleep(0.5)  # the first peer share is measured
-        measured = rates([victim, *peers], 3.0)
+        spells = [rates([victim, *peers], 1.0) for _ in range(4)]
     finally:
         throttle.stop()
-    ratio = statistics.median(measured[1:]) / measured[0]
+    ratio = statistics.median(statistics.median(m[1:]) / m[0] for m in spells)
     print(f"factor {factor}, {ranks} loops: measured slowdown {ratio:.2f}")
-    # Generous: other engineers' processes share the 2 cores.
-    assert factor * 0.6 < ratio < factor * 1.6, measured
+    # Generous: other sessions' processes share the 2 cores; a plain wall-clock duty cycle
+    # measured 1.2-1.4 at factor 2 with 4 loops.
+    assert factor * 0.65 < ratio < factor * 1.7, (ratio, spells)
     assert status(victim.pid) != psutil.STATUS_STOPPED
     assert throttle.stopped_total_s > 0.3
 
