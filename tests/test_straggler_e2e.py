@@ -28,7 +28,8 @@ WORK = "350000"  # ~20 ms of pure-Python CPU per step on an idle core
 # base_delay of rank_slow: counted from the moment every rank is training, so the onset
 # follows at least a window of clean steps however long the imports took
 ONSET_S = 4.0
-FAST_STOP = ("--workers-stop-timeout", "5")
+# A stopped or wedged rank fails the test in a minute instead of at the timeouts below.
+FAST_STOP = ("--workers-stop-timeout", "5", "--ft-rank-heartbeat-timeout", "60")
 
 
 def steps(out: Path, rank: int, cycle: int = 0) -> list[tuple[int, float, float]]:
