@@ -313,7 +313,11 @@ class RankMonitorClient:
     def _fire(self, kind: str, **fields: Any) -> None:
         if not self._enabled:
             return
-        frame = protocol.encode(kind, **fields)
+        try:
+            frame = protocol.encode(kind, **fields)
+        except protocol.ProtocolError as exc:  # e.g. a NaN: never the training's problem
+            log.warning("rank %d: not sent (%s): %s", self.rank, kind, exc)
+            return
         with self._lock:
             self._send(frame)
 

@@ -259,7 +259,8 @@ class Monitor:
     def _on_calculate(self, slot: RankSlot, msg: dict[str, Any], now: float) -> None:
         ok, error = self._calculate(msg)
         self._reply(slot, protocol.ACK, req=msg["req"], ok=ok, error=error,
-                    timeouts=self.book.in_force())
+                    timeouts=self.book.in_force(),
+                    calculated=self.book.calculated_kinds())
 
     def _on_set_timeouts(self, slot: RankSlot, msg: dict[str, Any], now: float) -> None:
         values, problems = parse_timeouts(msg["timeouts"])
@@ -267,12 +268,14 @@ class Monitor:
             self._count("bad_timeouts", "; ".join(problems)[:200])
             self._reply(slot, protocol.ACK, req=msg["req"], ok=False,
                         error="refused: " + "; ".join(problems)[:500],
-                        timeouts=self.book.in_force())
+                        timeouts=self.book.in_force(),
+                    calculated=self.book.calculated_kinds())
             return
         self.book.set_values(values)
         self._timeouts_changed("loaded")
         self._reply(slot, protocol.ACK, req=msg["req"], ok=True, error=None,
-                    timeouts=self.book.in_force())
+                    timeouts=self.book.in_force(),
+                    calculated=self.book.calculated_kinds())
 
     def _on_control(self, slot: RankSlot, msg: dict[str, Any], now: float) -> None:
         action = msg["action"]
@@ -280,7 +283,8 @@ class Monitor:
             self._count("malformed", f"unknown control action {action[:40]!r}")
             return
         self._controls.append((slot.rank, action))
-        self.events("workload_control", rank=slot.rank, action=action)
+        self.events("workload_control", rank=slot.rank, action=action,
+                    description=(msg.get("description") or "")[:500])
 
     def _on_diagnosis(self, slot: RankSlot, msg: dict[str, Any], now: float) -> None:
         # Only the diagnosis fields: a peer cannot forge event names, times or ranks.
@@ -344,7 +348,7 @@ class Monitor:
                     host=msg["host"][:255],
                     after_s=round(now - self.liveness.ranks[slot.rank].spawned_at, 3))
         self._reply(slot, protocol.CONFIG, ok=True, timeouts=self.book.in_force(),
-                    stack_signal=int(STACK_SIGNAL))
+                    calculated=self.book.calculated_kinds(), stack_signal=int(STACK_SIGNAL))
 
     # -- timeouts ----------------------------------------------------------------------
 
@@ -380,7 +384,8 @@ class Monitor:
     def _timeouts_changed(self, what: str) -> None:
         save_state(self.state_path, self.book.state)
         log.info("cycle %d: timeouts in force: %s", self.cycle, self.book.describe())
-        self.events("timeouts_updated", what=what, timeouts=self.book.in_force())
+        self.events("timeouts_updated", what=what, timeouts=self.book.in_force(),
+                    calculated=self.book.calculated_kinds())
 
     # -- internals ---------------------------------------------------------------------
 

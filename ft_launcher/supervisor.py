@@ -257,7 +257,7 @@ class Supervisor:
             first = rnd.group_rank * self.cfg.nproc_per_node
             if armed is not None and not first <= armed.rank < first + self.cfg.nproc_per_node:
                 armed = None  # the victim lives on another node
-        group = self.group = WorkerGroup()
+        group = self.group = WorkerGroup(events=self.event)
         group.start(self._worker_specs(rnd, armed), warm=self.standbys.take)
         self.standbys.cycle_started()
         for w in group.workers:
@@ -274,12 +274,20 @@ class Supervisor:
         else:
             grace = self.cfg.term_timeout if result.outcome is Outcome.SIGNALED \
                 else self.cfg.workers_stop_timeout
-            signum = result.signum if result.outcome is Outcome.SIGNALED else signal.SIGTERM
-            group.stop(grace, signum, self._ignoring_since(time.monotonic()))  # ends killed
+            # After a fault a rank that carries on is not waited for; when the launcher itself
+            # is told to stop, every rank keeps the whole --term-timeout (a checkpoint).
+            signaled = result.outcome is Outcome.SIGNALED
+            signum = result.signum if signaled else signal.SIGTERM
+            ignoring = None if signaled else self._ignoring_since(time.monotonic())
+            group.stop(grace, signum, ignoring)  # ends with kill_all
         self.monitor.drain(time.monotonic())  # reports sent while the group was stopping
+        late = self._check_controls() if result.outcome is Outcome.FAILED else None
+        if late is not None:  # asked for just before exiting, read after the exit
+            late.failures = result.failures
+            result = late
         for w in group.workers:
             if w.exit_code is not None and not w.reported:
-                self._report_exit(w, stopped=True)
+                self._report_exit(w)
         self._record_progress()
         for rank, per_kind in self.monitor.end_cycle().items():
             for kind, stats in per_kind.items():
@@ -405,8 +413,9 @@ class Supervisor:
                                   time.time())
                 if armed.at is not None and time.time() >= armed.at:
                     self._inject(group, armed)
-            result = (self._check_signals(group) or self._check_exits(group)
-                      or self._check_controls() or (may_judge and self._check_hang(group)))
+            # A rank's own request (exclude this node, shut down) explains its exit after it.
+            result = (self._check_signals(group) or self._check_controls()
+                      or self._check_exits(group) or (may_judge and self._check_hang(group)))
             if result:
                 return result
             self._status()
@@ -466,14 +475,18 @@ class Supervisor:
         self._pending.clear()
         return taken
 
-    def _report_exit(self, w: Worker, stopped: bool = False) -> WorkerExit:
+    def _report_exit(self, w: Worker) -> WorkerExit:
         w.reported = True
         self.monitor.rank_exited(w.rank)
         how = w.describe_exit()
         info = WorkerExit(w.rank, w.local_rank, w.pid, how["exit_code"], how["signal"], w.warm)
-        self.event("worker_exited", stopped_by_launcher=stopped, **asdict(info))
-        self.worker_exits.append({"cycle": self.cycle, "stopped_by_launcher": stopped,
-                                  **asdict(info)})
+        # Stopped by the launcher only when it signalled the worker while it ran: one that
+        # exited by itself during the teardown keeps its own code and cause.
+        record = {"stopped_by_launcher": w.signalled, **asdict(info)}
+        if how.get("output_dropped_bytes"):  # its log lost output (a full disk)
+            record["output_dropped_bytes"] = how["output_dropped_bytes"]
+        self.event("worker_exited", **record)
+        self.worker_exits.append({"cycle": self.cycle, **record})
         return info
 
     # -- faults and hangs --------------------------------------------------------------
@@ -589,10 +602,7 @@ class Supervisor:
             "protocol_errors": self.monitor.protocol_errors(),
             "next_action": vars(decision.next_action),
         }
-        try:
-            self.rundir.write_summary(summary)
-        except OSError as exc:
-            log.error("cannot write summary.json: %s", exc)
+        self.rundir.write_summary(summary)  # never raises: printed to stderr if it must
 
 
 def _monotonic_of(wall: float) -> float:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ft_agent import config as agent_config
 from ft_agent import protocol
 from ft_launcher.config import FaultToleranceConfig
 from ft_launcher.rundir import write_json_atomic
@@ -46,10 +47,11 @@ TIMEOUT_KEYS = dict(zip((TIMEOUT_INITIAL, TIMEOUT_HEARTBEAT, TIMEOUT_OUT_OF_SECT
 
 AUTO_MIN_INTERVALS = 100
 AUTO_MIN_TIMEOUT_S = 300.0
-DEFAULT_MIN_LEARNED_TIMEOUT_S = 60.0
-MAX_TIMEOUT_S = 30 * 24 * 3600.0  # a month: anything longer is a mistake, not a timeout
-MAX_SECTION_NAMES = 256
-MAX_SECTION_NAME_LEN = 128
+# The same limits as for configured values (ft_agent.config checks those).
+DEFAULT_MIN_LEARNED_TIMEOUT_S = agent_config.DEFAULT_MIN_LEARNED_TIMEOUT_S
+MAX_TIMEOUT_S = agent_config.MAX_SECONDS
+MAX_SECTION_NAMES = agent_config.MAX_SECTIONS
+MAX_SECTION_NAME_LEN = agent_config.MAX_SECTION_NAME_LEN
 STATE_VERSION = 1
 
 
@@ -240,6 +242,11 @@ class TimeoutBook:
         result[SECTIONS_KEY] = {n: self.timeout_for(section_kind(n))
                                 for n in sorted(self.section_names())}
         return result
+
+    def calculated_kinds(self) -> list[str]:
+        """The kinds whose timeout in force is a calculated one (NVRx's "were calculated")."""
+        kinds = [*TIMEOUT_KEYS, *(section_kind(n) for n in sorted(self.section_names()))]
+        return [k for k in kinds if self.explain(k)[1] == "calculated"]
 
     def describe(self) -> str:
         """One line for the log: each timeout in force and its source."""

@@ -128,7 +128,9 @@ def test_killed_then_hung_rank_recovered_with_calculated_timeouts(run_dir: Path,
 
     # Job 1: rank 1 kills itself 1.2 s into training; steps of 0.5 s, a checkpoint every 2.
     flag1 = tmp_path / "finished_1"
+    # A floor of 1 s (default 60 s) lets the calculated timeout of 0.5 s steps be in force.
     proc = run_launcher(run_dir, "--nproc-per-node", "2", "--max-restarts", "2", *FAST_STOP,
+                        "--ft-min-learned-timeout", "1",
                         TRAIN, "--max-steps", "10", "--ckpt-every", "2", "--val-every", "4",
                         "--step-time", "0.5", "--fault", "rank_killed", "--fault-delay", "1.2",
                         "--fault-rank", "1", "--autoresume", "--calculate-timeouts",
@@ -152,19 +154,23 @@ def test_killed_then_hung_rank_recovered_with_calculated_timeouts(run_dir: Path,
     # Timeouts: calculated at the end of the completed cycle only, then saved for job 2.
     calculated = one(evs, "timeouts_updated", what="hb")
     assert calculated["cycle"] == 1
-    saved = json.loads(timeouts_file.read_text())["timeouts"]
-    assert saved == calculated["timeouts"]
-    hb_timeout = saved["rank_heartbeat_timeout"]
+    # Saved in NVRx's state-dict layout.
+    saved = json.loads(timeouts_file.read_text())["current_timeouts"]["heartbeat"]
+    assert saved["subsequent"] == calculated["timeouts"]["rank_heartbeat_timeout"]
+    assert saved["initial"] == calculated["timeouts"]["initial_rank_heartbeat_timeout"]
+    hb_timeout = saved["subsequent"]
     longest = max(e["max"] for e in named(evs, "interval_stats") if e["kind"] == "heartbeat")
     assert hb_timeout == pytest.approx(5.0 * longest, rel=0.01)  # default safety factor 5
     assert 2.0 < hb_timeout < 30.0, "the 0.5 s steps dominate the calculation"
 
     # Job 2, a new run dir: loads job 1's timeouts; rank 0 stops itself (SIGSTOP), only the
-    # loaded heartbeat timeout (not the configured 60 s) can catch it in time.
+    # loaded heartbeat timeout (not the configured 60 s) can catch it in time. A configured
+    # value is lowered by a loaded one only when the user says so.
     run2 = run_dir.with_name("run2")  # under the fixture's leftover-process check
     flag2 = tmp_path / "finished_2"
     proc = run_launcher(run2, "--nproc-per-node", "2", "--max-restarts", "2", *FAST_STOP,
-                        "--ft-rank-heartbeat-timeout", "60",
+                        "--ft-rank-heartbeat-timeout", "60", "--ft-min-learned-timeout", "1",
+                        "--ft-learned-timeouts-override",
                         TRAIN, "--max-steps", "60", "--ckpt-every", "5", "--val-every", "20",
                         "--step-time", "0.05", "--fault", "rank_hung", "--fault-delay", "1.5",
                         "--fault-rank", "0", "--autoresume", "--calculate-timeouts",
@@ -175,14 +181,14 @@ def test_killed_then_hung_rank_recovered_with_calculated_timeouts(run_dir: Path,
     assert loaded and loaded[0]["cycle"] == 0
     in_force = loaded[0]["timeouts"]
     assert in_force["rank_heartbeat_timeout"] == hb_timeout
-    assert in_force["initial_rank_heartbeat_timeout"] == saved["initial_rank_heartbeat_timeout"]
+    assert in_force["initial_rank_heartbeat_timeout"] == saved["initial"]
     report = one(evs2, "rank_report", what="simulated_fault")
     assert (report["cycle"], report["rank"]) == (0, 0)
     assert json.loads(report["message"])["fault_type"] == "rank_hung"
     hang = one(evs2, "hang_detected")
     assert (hang["cycle"], hang["timeout_kind"], hang["timeout_s"]) == (0, "heartbeat",
                                                                         hb_timeout)
-    assert hang["ts"] - report["ts"] < hb_timeout + 2.0
+    assert hang["detected_at"] - report["ts"] < hb_timeout + 2.0
     s2 = summary(run2)
     assert (s2["exit_code"], s2["restarts"]) == (0, 1)
     resumed = steps_logged(run2, 1, 0, "train_start")
