@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from ft_launcher.timeouts import (
     TIMEOUT_HEARTBEAT,
@@ -125,6 +127,8 @@ class Liveness:
         self.hold_until = -math.inf
         self.rejected: dict[str, int] = {}  # what the model refused, counted per reason
         self._rng = random.Random(seed)
+        # Called with (rank, section, seconds) for every closed section (stragglers).
+        self.on_section_closed: Callable[[int, str, float], Any] | None = None
 
     # -- cycle lifecycle ---------------------------------------------------------------
 
@@ -197,6 +201,8 @@ class Liveness:
         self._activity(r, t)
         self._sample(r, section_kind(name), t - opened)
         r.last_section_end = t
+        if self.on_section_closed is not None:
+            self.on_section_closed(rank, name, t - opened)
         return True
 
     def section_close_all(self, rank: int, stamp: float | None, now: float) -> None:
@@ -206,6 +212,8 @@ class Liveness:
         t = self._when(r, stamp, now)
         for name, opened in r.sections.items():
             self._sample(r, section_kind(name), t - opened)
+            if self.on_section_closed is not None:
+                self.on_section_closed(rank, name, t - opened)
         self._activity(r, t)
         if r.sections:
             r.last_section_end = t

@@ -45,6 +45,7 @@ class Outcome(enum.Enum):
     SIGNALED = "signaled"  # the launcher itself got SIGTERM/SIGINT
     PEER_CHANGED = "peer_changed"  # other nodes are waiting in the rendezvous
     CONTROL = "control"  # a rank asked for shutdown or exclusion
+    STRAGGLER = "straggler"  # a rank stayed slow (--ft-straggler-action restart|exclude)
 
 
 @dataclass
@@ -69,6 +70,8 @@ class CycleResult:
     hang: HangVerdict | None = None
     signum: int | None = None
     control: str | None = None
+    straggler: dict[str, Any] | None = None  # the straggler_detected event's fields
+    action: str | None = None  # --ft-straggler-action
     diagnoses: list[dict[str, Any]] = field(default_factory=list)
     progress_iteration: int | None = None
 
@@ -240,6 +243,13 @@ def _decide(result: CycleResult, state: JobState) -> Decision:
     if outcome is Outcome.PEER_CHANGED:
         return Decision(restart=True, reason="other nodes re-joined the rendezvous",
                         counted=False)
+    if outcome is Outcome.STRAGGLER:
+        s = result.straggler or {}
+        what = (f"straggler rank {s.get('rank')} on {s.get('host') or state.host} "
+                f"({s.get('section')} {s.get('score', 0):.2f}x the other ranks)")
+        if result.action == "exclude":
+            return stop(EXIT_FAILURE, what, requeue=True, exclude=[s.get("host") or state.host])
+        return _restart_or_exhausted(state, what)
 
     stuck = _no_progress(_progress(result, state), state)
     if stuck is not None:

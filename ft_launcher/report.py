@@ -17,6 +17,7 @@ import click
 
 from ft_launcher.ledger import ledger_of, split_attempts
 from ft_launcher.rundir import read_events
+from ft_launcher.straggler import speed_table
 
 FAILURE_EVENTS = ("fault_injected", "hang_detected", "worker_exited")
 
@@ -114,8 +115,12 @@ def build_report(run_dir: Path, events: list[dict[str, Any]] | None = None) -> d
     for attempt, part in split_attempts(events):
         intervals += [{"attempt": attempt, **r} for r in interval_rows(run_dir, part)]
         cycles += [{"attempt": attempt, **r} for r in cycle_rows(part)]
+    section = next((e["straggler_section"] for e in events
+                    if e.get("event") == "launcher_started"
+                    and isinstance(e.get("straggler_section"), str)), "compute")
     return {"run_dir": str(run_dir), "intervals": intervals, "cycles": cycles,
-            "ledger": ledger_of(events).summary(), "summary": summary}
+            "ledger": ledger_of(events).summary(), "summary": summary,
+            "speeds": {"section": section, "rows": speed_table(events, section)}}
 
 
 def _fmt(value: Any) -> str:
@@ -202,6 +207,15 @@ def render_text(report: dict[str, Any]) -> str:
         lines += ["", f"All {len(ledger['attempts'])} attempts: wall {ledger['wall_s']:.3f} s, "
                       f"productive {ledger['productive_s']:.3f} s, "
                       f"goodput {_pct(ledger['goodput'])}"]
+    speeds = report.get("speeds") or {"rows": []}
+    if speeds["rows"]:
+        lines += ["", f"Relative speed (median time in section {speeds['section']!r}; "
+                      "score = time / the other ranks' median; > threshold: straggler)"]
+        lines += _table(["cycle", "rank", "host", "steps", "median_s", "score", "speed",
+                         "straggler"],
+                        [[_fmt(r.get(k)) for k in ("cycle", "rank", "host", "count",
+                                                     "median_s", "score", "speed")]
+                         + ["yes" if r["straggler"] else ""] for r in speeds["rows"]])
     s = report["summary"]
     if s:
         lines += ["", f"Exit {s['exit_code']}: {s['reason']} ({s['restarts']} restarts); "

@@ -34,6 +34,8 @@ from ft_launcher.rendezvous import C10dRendezvous, RoundInfo, StaticRendezvous
 from ft_launcher.rundir import RunDir
 from ft_launcher.standby import StandbyPool
 from ft_launcher.status import StatusTimer, status_line
+from ft_launcher.straggler import DETECTED, StragglerDetector
+from ft_launcher.throttle import Throttle
 from ft_launcher.timeouts import TimeoutBook, load_state
 from ft_launcher.worker_env import CycleEnv, visible_gpus, worker_env
 from ft_launcher.workers import Worker, WorkerGroup, WorkerSpec
@@ -126,6 +128,8 @@ class Supervisor:
             self.metrics.set_heartbeat_ages(self._heartbeat_ages)
         # Warm restart (--ft-warm-restart): standby interpreters; inert when off.
         self.standbys = StandbyPool(cfg, self.rundir.logs / "standby", self.event)
+        self.stragglers: StragglerDetector | None = None  # per cycle
+        self.throttle: Throttle | None = None  # a rank_slow fault in progress
 
     # -- setup -------------------------------------------------------------------------
 
@@ -202,7 +206,8 @@ class Supervisor:
         self.event("launcher_started", host=self.host, pid=os.getpid(),
                    nproc_per_node=self.cfg.nproc_per_node, max_restarts=self.cfg.max_restarts,
                    entrypoint=self.cfg.entrypoint + self.cfg.script_args,
-                   timeouts=self.monitor.book.in_force())
+                   timeouts=self.monitor.book.in_force(),
+                   straggler_section=self.cfg.ft.straggler_section)
         log.info("timeouts in force: %s", self.monitor.book.describe())
         decision: Decision | None = None
         result: CycleResult | None = None
@@ -265,10 +270,17 @@ class Supervisor:
         spawned = {w.rank: _monotonic_of(w.started_at) for w in group.workers}
         self.monitor.start_cycle(self.cycle, [self.slots[w.rank] for w in group.workers],
                                  spawned, self.rundir.private)
+        ft = self.cfg.ft
+        self.stragglers = StragglerDetector(ft.straggler_threshold, ft.straggler_window,
+                                            ft.straggler_section, host=self.host)
+        self.monitor.liveness.on_section_closed = self.stragglers.observe
         self.event("workers_started", ranks=[w.rank for w in group.workers],
                    pids=[w.pid for w in group.workers], device_map=self.job.device_map(),
                    warm=[w.warm for w in group.workers])
         result = self._watch(group, armed if armed is not None and armed.by_launcher else None)
+        if self.throttle is not None:  # before the teardown: a stopped worker cannot exit
+            self.throttle.stop()
+            self.throttle = None
         if result.outcome is Outcome.SUCCEEDED:
             group.kill_all()  # exited leaders may have left children in their groups
         else:
@@ -415,7 +427,8 @@ class Supervisor:
                     self._inject(group, armed)
             # A rank's own request (exclude this node, shut down) explains its exit after it.
             result = (self._check_signals(group) or self._check_controls()
-                      or self._check_exits(group) or (may_judge and self._check_hang(group)))
+                      or self._check_exits(group) or (may_judge and self._check_hang(group))
+                      or self._check_stragglers())
             if result:
                 return result
             self._status()
@@ -457,6 +470,17 @@ class Supervisor:
             self.faults_seen.append({"cycle": self.cycle, "kind": "worker_failed", **asdict(f)})
         return CycleResult(self.cycle, Outcome.FAILED, failures=failures)
 
+    def _check_stragglers(self) -> CycleResult | None:
+        if self.stragglers is None:
+            return None
+        for ev in self.stragglers.evaluate():
+            self.event(ev.event, **ev.fields())
+            action = self.cfg.ft.straggler_action
+            if ev.event == DETECTED and action != "report":
+                return CycleResult(self.cycle, Outcome.STRAGGLER, straggler=ev.fields(),
+                                   action=action)
+        return None
+
     def _check_controls(self) -> CycleResult | None:
         for _rank, action in self.monitor.take_controls():
             if action != "continue":
@@ -478,6 +502,8 @@ class Supervisor:
     def _report_exit(self, w: Worker) -> WorkerExit:
         w.reported = True
         self.monitor.rank_exited(w.rank)
+        if self.stragglers is not None:
+            self.stragglers.forget(w.rank)
         how = w.describe_exit()
         info = WorkerExit(w.rank, w.local_rank, w.pid, how["exit_code"], how["signal"], w.warm)
         # Stopped by the launcher only when it signalled the worker while it ran: one that
@@ -496,11 +522,26 @@ class Supervisor:
         victim = next((w for w in group.workers if w.rank == armed.rank), None)
         if victim is None or not victim.alive:
             return
-        group.signal_process(victim, victim.pid, armed.signum)
+        extra: dict[str, Any] = {}
+        if armed.fault_type == "rank_slow":
+            # A SIGSTOP/SIGCONT budget on the victim alone (throttle.py holds a pidfd, so a
+            # reused pid is never signalled); its peers' CPU use is only read.
+            peers = [w.pid for w in group.workers if w is not victim and w.alive]
+            try:
+                self.throttle = Throttle(victim.pid, armed.factor, duration_s=armed.duration,
+                                         peers=peers)
+            except ProcessLookupError:
+                return
+            self.throttle.start()
+            extra = {"factor": armed.factor, "duration": armed.duration,
+                     "period_s": self.throttle.cycle.period_s}
+        else:
+            group.signal_process(victim, victim.pid, armed.signum)
         self.faults_seen.append({"cycle": self.cycle, "kind": "injected",
                                  "fault_type": armed.fault_type, "rank": armed.rank})
         self.event("fault_injected", rank=armed.rank, fault_type=armed.fault_type,
-                   pid=victim.pid, at=round(armed.at or time.time(), 6), delay=armed.delay)
+                   pid=victim.pid, at=round(armed.at or time.time(), 6), delay=armed.delay,
+                   **extra)
 
     def _handle_hang(self, group: WorkerGroup, verdict: HangVerdict) -> HangVerdict:
         """Capture every rank's stacks, choose the culprit among the silent ranks, kill it.

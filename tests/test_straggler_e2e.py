@@ -118,6 +118,11 @@ def test_a_slow_rank_of_2_is_named_within_20_steps(run_dir: Path, tmp_path: Path
                       f"rank_slow:factor=2,rank=1,base_delay={ONSET_S}",
                       until=detected_then(5, out, 1), bound_s=90)
     check_named_within_20_steps(run_dir, out, proc, evs, 2, window=20, clean_steps=10)
+    # ft_report's table of relative speeds marks the straggler.
+    from ft_launcher.report import build_report
+
+    rows = build_report(run_dir)["speeds"]["rows"]
+    assert {r["rank"] for r in rows if r["straggler"]} == {1}, rows
 
 
 @pytest.mark.slow
