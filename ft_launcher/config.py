@@ -225,7 +225,3 @@ class LaunchConfig:
     workers_stop_timeout: float = 15.0
     role: str = "default"
     ft: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
-
-    @property
-    def multi_node(self) -> bool:
-        return self.max_nodes > 1

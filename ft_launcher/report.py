@@ -18,8 +18,7 @@ import click
 from ft_launcher.ledger import ledger_of, split_attempts
 from ft_launcher.rundir import read_events
 from ft_launcher.straggler import speed_table
-
-FAILURE_EVENTS = ("fault_injected", "hang_detected", "worker_exited")
+from ft_launcher.timeouts import SECTION_PREFIX, SECTIONS_KEY, TIMEOUT_KEYS
 
 
 def _timeouts_in_force(events: list[dict[str, Any]]) -> dict[str, Any]:
@@ -31,13 +30,9 @@ def _timeouts_in_force(events: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _timeout_of(kind: str, timeouts: dict[str, Any]) -> Any:
-    if kind.startswith("section:"):
-        return (timeouts.get("rank_section_timeouts") or {}).get(kind.split(":", 1)[1])
-    key = {
-        "initial": "initial_rank_heartbeat_timeout",
-        "heartbeat": "rank_heartbeat_timeout",
-        "out_of_section": "rank_out_of_section_timeout",
-    }.get(kind)
+    if kind.startswith(SECTION_PREFIX):
+        return (timeouts.get(SECTIONS_KEY) or {}).get(kind[len(SECTION_PREFIX):])
+    key = TIMEOUT_KEYS.get(kind)
     return timeouts.get(key) if key else None
 
 

@@ -263,7 +263,14 @@ class Supervisor:
             if armed is not None and not first <= armed.rank < first + self.cfg.nproc_per_node:
                 armed = None  # the victim lives on another node
         group = self.group = WorkerGroup(events=self.event)
-        group.start(self._worker_specs(rnd, armed), warm=self.standbys.take)
+        specs = self._worker_specs(rnd, armed)
+        # Warm restart keeps a TCPStore listening for the next single-node cycle, so no rank
+        # waits out the store client's retry back-off while rank 0's store comes up.
+        port = self.standbys.take_store() if rnd.group_world_size == 1 else None
+        if port is not None:
+            for spec in specs:
+                spec.env.update(MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
+        group.start(specs, warm=self.standbys.take)
         self.standbys.cycle_started()
         for w in group.workers:
             self.slots[w.rank].pid = w.pid
