@@ -303,8 +303,10 @@ class FaultToleranceCallback(Callback):
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
-        """Heartbeat after every training step."""
+        """Heartbeat and progress (the launcher's goodput ledger) after every training step."""
         self._train_iters += 1
+        if self._active and self.client is not None:
+            self.client.report_progress(trainer.global_step)  # implies a heartbeat
         self._heartbeat()
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -362,9 +364,12 @@ class FaultToleranceCallback(Callback):
         def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
             self._heartbeat()
             try:
-                return original(*args, **kwargs)
+                result = original(*args, **kwargs)
             finally:
                 self._heartbeat()
+            if self._active and self.client is not None:  # written: the ledger's restart point
+                self.client.report_checkpoint(trainer.global_step)
+            return result
 
         self._original_save = original
         trainer.save_checkpoint = save_checkpoint  # type: ignore[method-assign]

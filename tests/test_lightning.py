@@ -149,6 +149,10 @@ def test_killed_then_hung_rank_recovered_with_calculated_timeouts(run_dir: Path,
     assert resumed > 0 and resumed % 2 == 0, "cycle 1 resumes from a checkpoint of cycle 0"
     assert steps_logged(run_dir, 1, 1, "train_start") == resumed
     assert steps_logged(run_dir, 1, 0, "train_end") == 10
+    # The callback reports steps and written checkpoints to the goodput ledger by itself.
+    assert {e["rank"] for e in named(evs, "first_step") if e["cycle"] == 1} == {0, 1}
+    saved_steps = {e["iteration"] for e in named(evs, "checkpoint_saved") if e["cycle"] == 0}
+    assert resumed in saved_steps, (resumed, saved_steps)
     # The finished flag: written once training completed, in cycle 1, not before.
     assert flag1.exists() and flag1.stat().st_mtime > restart["ts"]
     # Timeouts: calculated at the end of the completed cycle only, then saved for job 2.
