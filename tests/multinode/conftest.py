@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -203,22 +204,26 @@ class EtcdCluster:
         except psutil.NoSuchProcess:
             return False
 
-    def leader(self) -> int | None:
-        """Index of the member that is the raft leader now, as any member reports it."""
+    def _get(self, i: int, path: str) -> tuple[int, str]:
+        """(HTTP status, body) of a GET to member i; (0, error) when it does not answer."""
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback
-        ids, leaders = {}, set()
-        for i, port in enumerate(self.client_ports):
-            if not self.alive(i):
-                continue
-            try:
-                with opener.open(f"http://127.0.0.1:{port}/v2/stats/self", timeout=5) as r:
-                    stats = json.load(r)
-            except (OSError, ValueError):
-                continue
-            ids[stats.get("id")] = i
-            leaders.add((stats.get("leaderInfo") or {}).get("leader"))
-        found = [ids[x] for x in leaders if x in ids]
+        try:
+            with opener.open(f"http://127.0.0.1:{self.client_ports[i]}{path}", timeout=5) as r:
+                return r.status, r.read().decode(errors="replace")
+        except urllib.error.HTTPError as exc:
+            return exc.code, str(exc)
+        except OSError as exc:
+            return 0, str(exc)
+
+    def leader(self) -> int | None:
+        """Index of the raft leader now: only the leader serves /v2/stats/leader."""
+        found = [i for i in range(3) if self.alive(i) and self._get(i, "/v2/stats/leader")[0]
+                 == 200]
         return found[0] if len(found) == 1 else None
+
+    def describe(self) -> str:
+        return "; ".join(f"m{i} pid {self.pids[i]} alive={self.alive(i)} "
+                         f"stats={self._get(i, '/v2/stats/self')}" for i in range(3))
 
     def kill(self, i: int) -> float:
         t = time.time()

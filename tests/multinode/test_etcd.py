@@ -47,7 +47,11 @@ def test_losing_an_etcd_member_mid_run_leaves_the_training_going(etcd_cluster, n
     nodes.start("b")
     wait_until(lambda: _world_steps(nodes, 2, {"a", "b"}), 120, "a world of 2 to train")
 
-    leader = wait_until(etcd_cluster.leader, 30, "the etcd leader", interval=0.5)
+    deadline = time.monotonic() + 30
+    while (leader := etcd_cluster.leader()) is None:
+        if time.monotonic() > deadline:
+            pytest.fail(f"no etcd leader found: {etcd_cluster.describe()}")
+        time.sleep(0.5)
     killed = etcd_cluster.kill(leader)  # the worst member to lose: a new election follows
     time.sleep(4.0)  # past an election (about 1 s) and a keep-alive expiry (2 s)
     assert all(p.poll() is None for p in nodes.procs.values()), "a launcher exited"
