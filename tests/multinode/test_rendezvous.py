@@ -243,3 +243,18 @@ def test_an_interrupt_while_waiting_as_a_spare_gets_through():
     finally:
         b.shutdown()
         a.shutdown()
+
+
+def test_rendezvous_mistakes_name_the_option():
+    from ft_launcher.rendezvous import RendezvousError
+
+    with pytest.raises(ConfigError, match="--rdzv-endpoint: required with --rdzv-backend etcd"):
+        DynamicRendezvous("", "x", 1, 2, {}, None, backend="etcd-v2")
+    with pytest.raises(ConfigError, match="--rdzv-endpoint: bad port"):
+        DynamicRendezvous("127.0.0.1:99999", "x", 1, 2, {}, None, backend="etcd-v2")
+    with pytest.raises(ConfigError, match="--rdzv-conf protocol"):
+        DynamicRendezvous("127.0.0.1:2379", "x", 1, 2, {"protocol": "ftp"}, None,
+                          backend="etcd-v2")
+    nobody = free_ports(1)[0]
+    with pytest.raises(RendezvousError, match=f"127.0.0.1:{nobody}: cannot reach the etcd-v2"):
+        DynamicRendezvous(f"127.0.0.1:{nobody}", "x", 1, 2, {}, None, backend="etcd-v2")
