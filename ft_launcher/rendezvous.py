@@ -226,7 +226,7 @@ class StaticRendezvous:
     def exit_barrier(self, wait: bool, timeout: float = 300.0) -> None:
         pass
 
-    def shutdown(self) -> None:
+    def shutdown(self, close: bool = True) -> None:
         pass
 
 
