@@ -10,6 +10,9 @@ scheduler wrapper should do next. Nothing else in the launcher decides.
 | launcher got SIGTERM / SIGINT | exit 128+signal; requeue after SIGTERM only|
 | rank asked shutdown / exclude_node | exit 1; no requeue / requeue without this node|
 | other nodes re-rendezvous | restart, not counted|
+| a health check failed | exit 1, requeue without this node|
+| rendezvous service lost | exit 1, requeue (no node blamed)|
+| rendezvous closed by the others | exit 0 for a spare never needed, else exit 1|
 | exit 16 (resume elsewhere) | restart on rotated devices while a new device is left,|
 | | else exit 16, requeue excluding this node|
 | exit 17, transient error | restart in place (counted)|
@@ -46,6 +49,9 @@ class Outcome(enum.Enum):
     PEER_CHANGED = "peer_changed"  # other nodes are waiting in the rendezvous
     CONTROL = "control"  # a rank asked for shutdown or exclusion
     STRAGGLER = "straggler"  # a rank stayed slow (--ft-straggler-action restart|exclude)
+    UNHEALTHY = "unhealthy"  # a node health check failed before the rendezvous
+    RENDEZVOUS_LOST = "rendezvous_lost"  # the rendezvous service is unreachable
+    RENDEZVOUS_CLOSED = "rendezvous_closed"  # the other nodes ended the job
 
 
 @dataclass
@@ -72,6 +78,8 @@ class CycleResult:
     control: str | None = None
     straggler: dict[str, Any] | None = None  # the straggler_detected event's fields
     action: str | None = None  # --ft-straggler-action
+    reason: str | None = None  # what a health check or the rendezvous said
+    was_spare: bool = False  # RENDEZVOUS_CLOSED: this node only ever waited as a spare
     diagnoses: list[dict[str, Any]] = field(default_factory=list)
     progress_iteration: int | None = None
 
@@ -243,6 +251,17 @@ def _decide(result: CycleResult, state: JobState) -> Decision:
     if outcome is Outcome.PEER_CHANGED:
         return Decision(restart=True, reason="other nodes re-joined the rendezvous",
                         counted=False)
+    if outcome is Outcome.UNHEALTHY:
+        return stop(EXIT_FAILURE, result.reason or "health check failed", requeue=True,
+                    exclude=[state.host])
+    if outcome is Outcome.RENDEZVOUS_LOST:  # not this node's fault: no exclusion
+        return stop(EXIT_FAILURE, result.reason or "rendezvous lost", requeue=True)
+    if outcome is Outcome.RENDEZVOUS_CLOSED:
+        if result.was_spare:
+            return stop(EXIT_SUCCESS, "spare not needed: the job ended without it",
+                        requeue=False)
+        return stop(EXIT_FAILURE, result.reason or "the other nodes closed the rendezvous",
+                    requeue=False)
     if outcome is Outcome.STRAGGLER:
         s = result.straggler or {}
         what = (f"straggler rank {s.get('rank')} on {s.get('host') or state.host} "

@@ -25,12 +25,19 @@ import zmq
 
 from ft_launcher import blame, faults, nccl_trace, policy, stacks
 from ft_launcher.config import LaunchConfig
+from ft_launcher.health import run_health_checks
 from ft_launcher.ledger import Ledger
 from ft_launcher.liveness import HangVerdict
 from ft_launcher.metrics import MetricsExporter
 from ft_launcher.monitor import Monitor, RankSlot, wall_of
 from ft_launcher.policy import CycleResult, Decision, JobState, Outcome, WorkerExit
-from ft_launcher.rendezvous import C10dRendezvous, RoundInfo, StaticRendezvous
+from ft_launcher.rendezvous import (
+    C10dRendezvous,
+    RendezvousClosed,
+    RendezvousLost,
+    RoundInfo,
+    StaticRendezvous,
+)
 from ft_launcher.rundir import RunDir
 from ft_launcher.standby import StandbyPool
 from ft_launcher.status import StatusTimer, status_line
@@ -46,6 +53,10 @@ FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 PASS_THROUGH_SIGNALS = (signal.SIGUSR1,)  # handed to the workers, the job goes on
 TERMINATING_SIGNAL_NAMES = {signal.Signals(s).name for s in FORWARDED_SIGNALS}
 SIGNAL_SETTLE_S = 0.2
+# Outcomes after which this node does not wait at the exit barrier: it was told to stop,
+# never joined, or the rendezvous is gone.
+NO_EXIT_BARRIER = (Outcome.SIGNALED, Outcome.UNHEALTHY, Outcome.RENDEZVOUS_LOST,
+                   Outcome.RENDEZVOUS_CLOSED)
 MESSAGE_BATCH_S = 0.25
 # A flood of messages is read in bounded batches; verdicts wait for the queue to empty, but
 # never longer than this (a flood cannot postpone a real hang for ever).
@@ -219,7 +230,7 @@ class Supervisor:
                            exit_code=decision.exit_code, reason=decision.reason)
                 policy.apply(decision, self.job)
                 if not decision.restart:
-                    if result.outcome is not Outcome.SIGNALED:
+                    if result.outcome not in NO_EXIT_BARRIER:
                         self.rdzv.exit_barrier(wait=result.outcome is Outcome.SUCCEEDED)
                     break
                 self.cycle += 1
@@ -238,7 +249,10 @@ class Supervisor:
             self.monitor.close()
             if self.metrics is not None:
                 self.metrics.close()
-            self.rdzv.shutdown()
+            # Close the rendezvous only when the job is over for every node; a node that
+            # leaves alone (requeued: sick, excluded, lost) lets a spare take its place.
+            self.rdzv.shutdown(close=decision is None or decision.next_action is None
+                               or not decision.next_action.requeue)
             self._remove_socket()
         assert decision is not None and decision.exit_code is not None
         self._write_summary(decision, result)
@@ -247,9 +261,21 @@ class Supervisor:
         return decision.exit_code
 
     def _run_cycle(self) -> CycleResult:
+        ft = self.cfg.ft
+        health = run_health_checks(ft.health_checks, ft.health_check_timeout, self.rundir.path,
+                                   ft.min_free_space)
+        if not health.ok:  # a sick node does not join: a spare takes its place
+            for failure in health.failures:
+                self.event("health_check_failed", **failure.event_fields())
+            return CycleResult(self.cycle, Outcome.UNHEALTHY, reason=health.summary())
         self._blocking = True
         try:
             rnd = self.rdzv.next_round()
+        except RendezvousLost as exc:
+            return CycleResult(self.cycle, Outcome.RENDEZVOUS_LOST, reason=str(exc))
+        except RendezvousClosed as exc:
+            return CycleResult(self.cycle, Outcome.RENDEZVOUS_CLOSED, reason=str(exc),
+                               was_spare=exc.was_spare)
         finally:
             self._blocking = False
         world = rnd.group_world_size * self.cfg.nproc_per_node
@@ -443,7 +469,11 @@ class Supervisor:
             self.standbys.tick(training_at is not None)
             if time.monotonic() >= next_peer_check:
                 next_peer_check = time.monotonic() + interval
-                if self.rdzv.num_nodes_waiting() > 0:
+                try:
+                    waiting = self.rdzv.num_nodes_waiting()
+                except RendezvousLost as exc:
+                    return CycleResult(self.cycle, Outcome.RENDEZVOUS_LOST, reason=str(exc))
+                if waiting > 0:
                     self.event("peers_waiting")
                     return CycleResult(self.cycle, Outcome.PEER_CHANGED)
 

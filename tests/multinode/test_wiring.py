@@ -1,9 +1,7 @@
 """The supervisor's use of health checks and hot spares, end to end.
 
-Marked xfail(strict) until the supervisor calls ``run_health_checks`` before every
-rendezvous and turns a failure into an exit with ``next_action`` requeue excluding this
-host (issue 12; the lead wires it): once wired they pass, and strict makes that visible,
-so the mark must then go.
+The supervisor runs ``run_health_checks`` before every rendezvous and turns a failure
+into an exit with ``next_action`` requeue excluding this host.
 """
 
 from __future__ import annotations
@@ -17,11 +15,7 @@ import pytest
 
 from .conftest import LAUNCHER, ROOT, Nodes, wait_until
 
-NOT_WIRED = pytest.mark.xfail(strict=True, reason="supervisor does not run health checks "
-                              "yet (issue 12: the lead wires ft_launcher.health)")
 
-
-@NOT_WIRED
 def test_a_failed_health_check_keeps_the_node_out_and_requeues_without_it(run_dir):
     res = subprocess.run(  # the worker would be `true`: it must not even start
         [*LAUNCHER, "--ft-run-dir", str(run_dir), "--ft-health-check", "true",
@@ -42,7 +36,6 @@ def test_a_failed_health_check_keeps_the_node_out_and_requeues_without_it(run_di
     assert "health check failed" in summary["reason"]
 
 
-@NOT_WIRED
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_node_that_turns_sick_leaves_and_a_spare_takes_its_place(etcd_cluster, nodes):
