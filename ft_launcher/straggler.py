@@ -86,6 +86,7 @@ class StragglerDetector:
     score must stay across a boundary (default ``window // 5``, at least 1).
     ``clear_threshold``: clear below it (default halfway between 1 and ``threshold``).
     ``remote_ttl_s``: a remote median older than this is ignored. ``now``: the clock.
+    ``warmup_steps``: a rank's first section times, ignored.
     """
 
     threshold: float = 1.3
@@ -97,7 +98,11 @@ class StragglerDetector:
     confirm_steps: int | None = None
     clear_threshold: float | None = None
     remote_ttl_s: float = 60.0
+    # A rank's first steps of a cycle (allocator, caches, a peer still importing) say
+    # nothing about its speed: that many are not scored (the launcher skips 5).
+    warmup_steps: int = 0
     _tracks: dict[int, _Track] = field(default_factory=dict, init=False, repr=False)
+    _warmup: dict[int, int] = field(default_factory=dict, init=False, repr=False)
     _remote: dict[int, _Remote] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -124,6 +129,10 @@ class StragglerDetector:
         section, or a value that is not a plausible duration)."""
         if section != self.section or not _valid_rank(rank) or not _valid_seconds(duration_s):
             return False
+        seen = self._warmup.get(rank, 0)
+        if seen < self.warmup_steps:
+            self._warmup[rank] = seen + 1
+            return True
         track = self._tracks.get(rank)
         if track is None:
             track = self._tracks[rank] = _Track(host or self.host, deque(maxlen=self.window))

@@ -61,6 +61,8 @@ MESSAGE_BATCH_S = 0.25
 # A flood of messages is read in bounded batches; verdicts wait for the queue to empty, but
 # never longer than this (a flood cannot postpone a real hang for ever).
 MAX_JUDGE_DELAY_S = 10.0
+# A rank's first section times of a cycle are not scored for stragglers (warm-up noise).
+STRAGGLER_WARMUP_STEPS = 5
 # A rank still working this long after the stop signal ignores it, and is killed at once.
 IGNORE_GRACE_S = 0.5
 
@@ -305,7 +307,8 @@ class Supervisor:
                                  spawned, self.rundir.private)
         ft = self.cfg.ft
         self.stragglers = StragglerDetector(ft.straggler_threshold, ft.straggler_window,
-                                            ft.straggler_section, host=self.host)
+                                            ft.straggler_section, host=self.host,
+                                            warmup_steps=STRAGGLER_WARMUP_STEPS)
         self.monitor.liveness.on_section_closed = self.stragglers.observe
         self.event("workers_started", ranks=[w.rank for w in group.workers],
                    pids=[w.pid for w in group.workers], device_map=self.job.device_map(),

@@ -301,3 +301,16 @@ def test_bad_straggler_options_are_one_error_naming_the_option(flag, value, word
     assert result.exit_code == 1
     assert f"Error: {flag}: " in result.output and words in result.output, result.output
     assert not (tmp_path / "run").exists()
+
+
+def test_the_first_steps_of_a_rank_are_not_scored():
+    d = StragglerDetector(threshold=1.3, window=5, warmup_steps=3)
+    for rank in (0, 1):
+        for _ in range(3):  # a slow start of rank 1 (allocator, a peer importing)
+            d.observe(rank, "compute", 5.0 if rank == 1 else 1.0)
+    assert d.local_medians() == {}
+    for _ in range(5):
+        for rank in (0, 1):
+            d.observe(rank, "compute", 1.0)
+    assert d.local_medians() == {0: 1.0, 1: 1.0}
+    assert d.evaluate() == []

@@ -28,6 +28,13 @@ WORK = "350000"  # ~20 ms of pure-Python CPU per step on an idle core
 # base_delay of rank_slow: counted from the moment every rank is training, so the onset
 # follows at least a window of clean steps however long the imports took
 ONSET_S = 4.0
+# Two or four busy ranks sharing two cores with the launcher differ by up to ~1.7x from
+# scheduling alone (measured: rank 0's pure-CPU section 1.5x rank 1's with nothing slowed),
+# so these end-to-end cases slow the victim 3x and report above 2.0: they prove the wiring.
+# The default threshold (1.3) against noise is tested on synthetic times in
+# test_straggler.py and by the clean 8-rank run below.
+THRESHOLD = ("--ft-straggler-threshold", "2.0")
+SLOW = "rank_slow:factor=3,rank=1"
 # A stopped or wedged rank fails the test in a minute instead of at the timeouts below.
 FAST_STOP = ("--workers-stop-timeout", "5", "--ft-rank-heartbeat-timeout", "60")
 
@@ -91,7 +98,7 @@ def check_named_within_20_steps(run_dir: Path, out: Path, proc, evs: list[dict],
     injected = named(evs, "fault_injected")
     assert len(injected) == 1, injected
     assert (injected[0]["fault_type"], injected[0]["rank"], injected[0]["factor"]) == (
-        "rank_slow", 1, 2.0)
+        "rank_slow", 1, 3.0)
     onset = injected[0]["ts"]
     before = sum(1 for _, ts, _ in steps(out, 1) if ts <= onset)
     assert before >= clean_steps, f"only {before} clean steps before the onset: machine " \
@@ -104,7 +111,7 @@ def check_named_within_20_steps(run_dir: Path, out: Path, proc, evs: list[dict],
     assert {e["rank"] for e in detected} == {1}, f"a healthy rank was reported: {detected}"
     assert (first["rank"], first["host"], first["section"], first["window"]) == (
         1, socket.gethostname(), "compute", window)
-    assert first["score"] > 1.3 and first["steps"] >= window, "never on fewer than a window"
+    assert first["score"] > 2.0 and first["steps"] >= window, "never on fewer than a window"
     taken = steps_after(out, 1, onset, first["ts"])
     assert taken <= 20, f"detected {taken} steps after the onset"
     assert summary(run_dir)["restarts"] == 0, "report: the job goes on"
@@ -112,10 +119,10 @@ def check_named_within_20_steps(run_dir: Path, out: Path, proc, evs: list[dict],
 
 
 def test_a_slow_rank_of_2_is_named_within_20_steps(run_dir: Path, tmp_path: Path):
-    """Default settings: threshold 1.3, window 20, section "compute", action report."""
+    """Default window 20, section "compute", action report."""
     out = tmp_path / "steps"
-    proc, evs = train(run_dir, out, 2, "--ft-simulated-fault",
-                      f"rank_slow:factor=2,rank=1,base_delay={ONSET_S}",
+    proc, evs = train(run_dir, out, 2, *THRESHOLD, "--ft-simulated-fault",
+                      f"{SLOW},base_delay={ONSET_S}",
                       until=detected_then(5, out, 1), bound_s=90)
     check_named_within_20_steps(run_dir, out, proc, evs, 2, window=20, clean_steps=10)
     # ft_report's table of relative speeds marks the straggler.
@@ -129,19 +136,18 @@ def test_a_slow_rank_of_2_is_named_within_20_steps(run_dir: Path, tmp_path: Path
 def test_a_slow_rank_of_4_is_named_within_20_steps(run_dir: Path, tmp_path: Path):
     """Four ranks on two cores: the slow rank competes for the CPU with its peers."""
     out = tmp_path / "steps"
-    proc, evs = train(run_dir, out, 4, "--ft-simulated-fault",
-                      f"rank_slow:factor=2,rank=1,base_delay={ONSET_S + 2}",
+    proc, evs = train(run_dir, out, 4, *THRESHOLD, "--ft-simulated-fault",
+                      f"{SLOW},base_delay={ONSET_S + 2}",
                       until=detected_then(5, out, 1), bound_s=150)
     check_named_within_20_steps(run_dir, out, proc, evs, 4, window=20, clean_steps=10)
 
 
 @pytest.mark.slow
 def test_a_transient_slowdown_is_reported_then_cleared(run_dir: Path, tmp_path: Path):
-    """Also the options: a window of 10 and a threshold of 1.5 reach the detector."""
+    """Also the options: a window of 10 and a threshold of 2 reach the detector."""
     out = tmp_path / "steps"
-    proc, evs = train(run_dir, out, 2, "--ft-straggler-window", "10",
-                      "--ft-straggler-threshold", "1.5", "--ft-simulated-fault",
-                      f"rank_slow:factor=3,rank=1,base_delay={ONSET_S},duration=8",
+    proc, evs = train(run_dir, out, 2, "--ft-straggler-window", "10", *THRESHOLD,
+                      "--ft-simulated-fault", f"{SLOW},base_delay={ONSET_S},duration=8",
                       until=lambda evs: bool(named(evs, "straggler_cleared")), bound_s=120)
     assert proc.returncode == 0, proc.stdout[-3000:]
     transitions = [(e["event"], e["rank"]) for e in evs
@@ -151,8 +157,8 @@ def test_a_transient_slowdown_is_reported_then_cleared(run_dir: Path, tmp_path: 
     cleared = named(evs, "straggler_cleared")[0]
     assert cleared["ts"] > injected["ts"] + 8, "cleared only after the slowdown ended"
     detected = named(evs, "straggler_detected")[0]
-    assert detected["window"] == 10 and detected["score"] > 1.5
-    assert cleared["score"] < 1.25  # below halfway back to 1
+    assert detected["window"] == 10 and detected["score"] > 2.0
+    assert cleared["score"] < 1.5  # below halfway back to 1
 
 
 @pytest.mark.slow
@@ -165,8 +171,8 @@ def test_restart_action_restarts_the_group_away_from_the_slowdown(run_dir: Path,
         return len(steps(out, 1, cycle=1)) >= 30
 
     proc, evs = train(run_dir, out, 2, "--max-restarts", "2", "--ft-straggler-action",
-                      "restart", "--ft-simulated-fault",
-                      f"rank_slow:factor=2,rank=1,base_delay={ONSET_S}", until=until,
+                      "restart", *THRESHOLD, "--ft-simulated-fault",
+                      f"{SLOW},base_delay={ONSET_S}", until=until,
                       bound_s=150)
     assert proc.returncode == 0, proc.stdout[-3000:]
     detected = named(evs, "straggler_detected")
@@ -182,8 +188,8 @@ def test_restart_action_restarts_the_group_away_from_the_slowdown(run_dir: Path,
 def test_exclude_action_requeues_without_the_stragglers_host(run_dir: Path, tmp_path: Path):
     out = tmp_path / "steps"
     proc, evs = train(run_dir, out, 2, "--max-restarts", "2", "--ft-straggler-action",
-                      "exclude", "--ft-simulated-fault",
-                      f"rank_slow:factor=2,rank=1,base_delay={ONSET_S}",
+                      "exclude", *THRESHOLD, "--ft-simulated-fault",
+                      f"{SLOW},base_delay={ONSET_S}",
                       until=lambda evs: False, bound_s=90)
     assert proc.returncode == 1, proc.stdout[-3000:]
     assert [e["rank"] for e in named(evs, "straggler_detected")] == [1]
