@@ -27,3 +27,30 @@ def run_dir(tmp_path: Path):
         except psutil.NoSuchProcess:
             pass
     assert not left, f"processes left behind: {[(p.pid, p.info['cmdline']) for p in left]}"
+
+
+# The slow tier: every case of these modules starts a Slurm cluster, several launchers, a
+# browser, a long real training or a flood; and the heaviest single cases elsewhere.
+# `pytest -m "not slow"` is the fast tier: the unit tests (rules on fake clocks, parsers,
+# the policy) and one end-to-end proof per mechanism. CI runs both tiers.
+SLOW_MODULES = {
+    "test_ft_sbatch.py", "test_bench_smoke.py", "test_rerun_e2e.py", "test_warm_restart.py",
+    "test_hostile.py", "test_rerun_multiprocess.py", "test_megatron_loop.py",
+    "test_lightning.py", "test_rundir.py", "test_nccl_trace_launcher.py", "test_nodes.py",
+    "test_etcd.py", "test_wiring.py", "test_rerun_bench_smoke.py", "test_nvrx_compat.py",
+}
+SLOW_TESTS = {
+    "test_twenty_crash_restarts_in_a_row", "test_two_launchers_on_loopback_form_one_world_and_"
+    "restart_together", "test_rank_killed_is_recovered_from_the_checkpoint",
+    "test_rank_hung_is_detected_and_recovered", "test_random_fault_is_seeded_and_recovered",
+    "test_rank_exit_16_rotates_devices_then_requeues_elsewhere",
+    "test_calculated_timeouts_survive_a_restart_and_a_new_job",
+    "test_python_sleep_hang_stack_names_the_function", "test_no_false_verdict_in_a_long_clean_run",
+    "test_ft_report_shows_intervals_and_cycles",
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.name in SLOW_MODULES or item.originalname in SLOW_TESTS:
+            item.add_marker(pytest.mark.slow)

@@ -18,7 +18,7 @@ from launch_helpers import ROOT, SCRIPTS, events, launcher_cmd, named, run_launc
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 CASES = str(SCRIPTS / "monitor_cases.py")
-RUNS = int(os.environ.get("FT_STALL_RUNS", "2"))  # scripts: FT_STALL_RUNS=20 for the target
+RUNS = int(os.environ.get("FT_STALL_RUNS", "1"))  # scripts: FT_STALL_RUNS=20 for the target
 
 
 @pytest.mark.parametrize("run", range(RUNS))

@@ -119,12 +119,12 @@ def check_named_within_20_steps(run_dir: Path, out: Path, proc, evs: list[dict],
 
 
 def test_a_slow_rank_of_2_is_named_within_20_steps(run_dir: Path, tmp_path: Path):
-    """Default window 20, section "compute", action report."""
+    """Default section "compute" and action report; a window of 10 (see THRESHOLD)."""
     out = tmp_path / "steps"
-    proc, evs = train(run_dir, out, 2, *THRESHOLD, "--ft-simulated-fault",
-                      f"{SLOW},base_delay={ONSET_S}",
+    proc, evs = train(run_dir, out, 2, *THRESHOLD, "--ft-straggler-window", "10",
+                      "--ft-simulated-fault", f"{SLOW},base_delay={ONSET_S}",
                       until=detected_then(5, out, 1), bound_s=90)
-    check_named_within_20_steps(run_dir, out, proc, evs, 2, window=20, clean_steps=10)
+    check_named_within_20_steps(run_dir, out, proc, evs, 2, window=10, clean_steps=10)
     # ft_report's table of relative speeds marks the straggler.
     from ft_launcher.report import build_report
 
@@ -136,10 +136,10 @@ def test_a_slow_rank_of_2_is_named_within_20_steps(run_dir: Path, tmp_path: Path
 def test_a_slow_rank_of_4_is_named_within_20_steps(run_dir: Path, tmp_path: Path):
     """Four ranks on two cores: the slow rank competes for the CPU with its peers."""
     out = tmp_path / "steps"
-    proc, evs = train(run_dir, out, 4, *THRESHOLD, "--ft-simulated-fault",
-                      f"{SLOW},base_delay={ONSET_S + 2}",
+    proc, evs = train(run_dir, out, 4, *THRESHOLD, "--ft-straggler-window", "10",
+                      "--ft-simulated-fault", f"{SLOW},base_delay={ONSET_S + 2}",
                       until=detected_then(5, out, 1), bound_s=150)
-    check_named_within_20_steps(run_dir, out, proc, evs, 4, window=20, clean_steps=10)
+    check_named_within_20_steps(run_dir, out, proc, evs, 4, window=10, clean_steps=10)
 
 
 @pytest.mark.slow
@@ -202,10 +202,10 @@ def test_exclude_action_requeues_without_the_stragglers_host(run_dir: Path, tmp_
 
 @pytest.mark.slow
 def test_a_clean_run_of_8_ranks_reports_no_straggler(run_dir: Path, tmp_path: Path):
-    """8 ranks on 2 shared cores for ~60 s of steps: noise, no straggler. The 5-minute run is
+    """8 ranks on 2 shared cores for ~45 s of steps: noise, no straggler. The 5-minute run is
     scripts/straggler_soak.sh."""
     out = tmp_path / "steps"
-    proc, evs = train(run_dir, out, 8, until=lambda evs: False, bound_s=400, cap_s=75,
+    proc, evs = train(run_dir, out, 8, until=lambda evs: False, bound_s=400, cap_s=45,
                       idle=0.05)
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert named(evs, "straggler_detected") == []
