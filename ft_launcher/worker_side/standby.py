@@ -81,13 +81,14 @@ def _read_record(fd: int = 0) -> list[bytes] | None:
     return data.split(b"\0")
 
 
-def gpu_files() -> list[str]:
-    """Open files that are GPU device nodes (a preload that created a GPU context)."""
+def gpu_files(pid: int | str = "self") -> list[str]:
+    """Open files of a process that are GPU device nodes (a preload that created a GPU
+    context)."""
     found = []
     try:
-        for fd in os.listdir("/proc/self/fd"):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
             try:
-                target = os.readlink(f"/proc/self/fd/{fd}")
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
             except OSError:
                 continue
             if target.startswith("/dev/nvidia"):

@@ -14,6 +14,8 @@ import subprocess
 
 import pytest
 
+from ft_launcher.worker_side.standby import gpu_files
+
 NO_CUDA = "no CUDA device"
 
 
@@ -92,18 +94,5 @@ def gpu_context_pids() -> set[int]:
 
 
 def gpu_device_files(pid: int) -> list[str]:
-    """The /dev/nvidia* files a process holds open (a CUDA context keeps some open)."""
-    import os
-
-    found = []
-    try:
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if target.startswith("/dev/nvidia"):
-                found.append(target)
-    except OSError:
-        pass
-    return found
+    """GPU device nodes a process holds open (the launcher's own check, by pid)."""
+    return gpu_files(pid)

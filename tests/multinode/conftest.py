@@ -27,6 +27,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from launch_helpers import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parent / "node_worker.py"
@@ -74,14 +75,7 @@ def read_jsonl(path: Path) -> list[dict]:
     return out
 
 
-def wait_until(predicate, timeout: float, what: str, interval: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    pytest.fail(f"timed out after {timeout} s waiting for {what}")
+wait_until = wait_for  # the suite's one polling helper (launch_helpers)
 
 
 @dataclass
