@@ -429,3 +429,8 @@ def verified_pid(claimed: Any, spawned: int) -> int:
 def wall_of(monotonic: float) -> float:
     """A time of the node's monotonic clock on the wall clock."""
     return time.time() - (time.monotonic() - monotonic)
+
+
+def monotonic_of(wall: float) -> float:
+    """A wall-clock time on the monotonic clock (workers record their spawn on the wall)."""
+    return time.monotonic() - (time.time() - wall)

@@ -17,6 +17,7 @@ import signal
 import socket
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from ft_launcher.health import run_health_checks
 from ft_launcher.ledger import Ledger
 from ft_launcher.liveness import HangVerdict
 from ft_launcher.metrics import MetricsExporter
-from ft_launcher.monitor import Monitor, RankSlot, wall_of
+from ft_launcher.monitor import Monitor, RankSlot, monotonic_of, wall_of
 from ft_launcher.policy import CycleResult, Decision, JobState, Outcome, WorkerExit
 from ft_launcher.rendezvous import (
     C10dRendezvous,
@@ -302,7 +303,7 @@ class Supervisor:
         self.standbys.cycle_started()
         for w in group.workers:
             self.slots[w.rank].pid = w.pid
-        spawned = {w.rank: _monotonic_of(w.started_at) for w in group.workers}
+        spawned = {w.rank: monotonic_of(w.started_at) for w in group.workers}
         self.monitor.start_cycle(self.cycle, [self.slots[w.rank] for w in group.workers],
                                  spawned, self.rundir.private)
         ft = self.cfg.ft
@@ -346,7 +347,7 @@ class Supervisor:
         self.group = None
         return result
 
-    def _ignoring_since(self, signalled_at: float) -> Any:
+    def _ignoring_since(self, signalled_at: float) -> Callable[[list[Worker]], list[Worker]]:
         """Which live workers ignore the stop signal: still active (heartbeats, sections,
         steps) ``IGNORE_GRACE_S`` after it. A rank that saves a checkpoint on SIGTERM goes
         quiet while it does and keeps the whole grace."""
@@ -684,8 +685,3 @@ class Supervisor:
             "next_action": vars(decision.next_action),
         }
         self.rundir.write_summary(summary)  # never raises: printed to stderr if it must
-
-
-def _monotonic_of(wall: float) -> float:
-    """A wall-clock time on the monotonic clock (workers record their spawn on the wall)."""
-    return time.monotonic() - (time.time() - wall)

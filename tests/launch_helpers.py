@@ -28,13 +28,20 @@ def run_launcher(run_dir: Path, *args: str, timeout: float = 120,
     proc = subprocess.Popen(launcher_cmd(run_dir, *args), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, cwd=ROOT,
                             env={**os.environ, **(env or {})})
+    out = finish(proc, timeout)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, None)
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> str:
+    """Wait for a started launcher (bounded) and return its merged output; kill it and fail
+    the test when it does not finish in time."""
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
         out, _ = proc.communicate()
         pytest.fail(f"ft_launcher did not finish within {timeout} s:\n{out[-3000:]}")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, None)
+    return out
 
 
 def events(run_dir: Path) -> list[dict]:

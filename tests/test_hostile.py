@@ -20,6 +20,7 @@ from launch_helpers import (
     ROOT,
     SCRIPTS,
     events,
+    finish,
     launcher_cmd,
     named,
     summary,
@@ -36,16 +37,6 @@ def _start(run_dir: Path, *args: str, env: dict[str, str] | None = None,
     return subprocess.Popen([*(prefix or []), *launcher_cmd(run_dir, *args)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=ROOT, env={**os.environ, **(env or {})})
-
-
-def _finish(proc: subprocess.Popen, timeout: float) -> str:
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, _ = proc.communicate()
-        pytest.fail(f"ft_launcher did not finish within {timeout} s:\n{out[-3000:]}")
-    return out
 
 
 def _peer(run_dir: Path, rank: int = 0) -> dict:
@@ -89,7 +80,7 @@ def test_hostile_frames_on_the_live_socket_are_counted_and_the_job_finishes(run_
         time.sleep(0.5)
         sock.close()
     finally:
-        out = _finish(proc, 90)
+        out = finish(proc, 90)
     assert proc.returncode == 0, out[-3000:]
     assert "launcher error" not in out and "Traceback" not in out, out[-3000:]
     evs = events(run_dir)
@@ -121,7 +112,7 @@ def test_second_hello_as_a_live_rank_is_refused(run_dir: Path):
                                   pid=bystander.pid, host=socket.gethostname(), cycle=0))
         reply = protocol.decode(sock.recv()) if sock.poll(5000) else None
         sock.close()
-        out = _finish(proc, 90)
+        out = finish(proc, 90)
         assert bystander.poll() is None, "the bystander named in the hello was signalled"
     finally:
         if proc.poll() is None:
@@ -229,7 +220,7 @@ def test_1100_connections_against_a_1024_soft_limit(run_dir: Path):
         for c in conns:
             c.close()
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-        out = _finish(proc, 90)
+        out = finish(proc, 90)
     assert proc.returncode == 0, out[-3000:]
     assert summary(run_dir)["exit_code"] == 0
 
@@ -246,7 +237,7 @@ def test_carriage_return_flood_does_not_grow_the_launcher(run_dir: Path):
     the escapes as text. Peak: the largest of launcher and worker (RUSAGE_CHILDREN)."""
     proc = _start(run_dir, "--nproc-per-node", "1", IO_CASES, "carriage_returns", "64",
                   prefix=PEAK_RSS)
-    out = _finish(proc, 90)
+    out = finish(proc, 90)
     assert proc.returncode == 0, out[-2000:]
     log = run_dir / "logs" / "cycle_0" / "rank_0.log"
     tail = b"\x1b[2J\x1b]0;title\x07after the flood\n"
