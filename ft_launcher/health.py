@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -24,6 +25,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from ft_launcher.worker_env import listed_gpus
 
 log = logging.getLogger("ft_launcher")
 
@@ -133,8 +136,7 @@ def check_gpus(timeout: float, nvidia_smi: str | None,
     if nvidia_smi is None:
         return CheckResult("gpu", False, None, "GPUs present but nvidia-smi not found", 0.0)
     cmd = [nvidia_smi, f"--query-gpu={GPU_QUERY}", "--format=csv,noheader"]
-    visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
-               if d.strip()]
+    visible = listed_gpus(os.environ) or []
     if visible:
         cmd += ["-i", ",".join(visible)]  # ask for exactly the GPUs this node's ranks use
     res = run_command(cmd, timeout, name="gpu")
@@ -152,6 +154,20 @@ def check_gpus(timeout: float, nvidia_smi: str | None,
 def _proc_gpu_count(gpu_proc: Path) -> int:
     try:
         return len(list(gpu_proc.iterdir()))
+    except OSError:
+        return 0
+
+
+def count_gpus(gpu_proc: Path = NVIDIA_PROC, dev: Path = Path("/dev")) -> int:
+    """GPUs this node's ranks may use, without importing torch."""
+    listed = listed_gpus(os.environ)
+    if listed is not None:
+        return len(listed)
+    if count := _proc_gpu_count(gpu_proc):
+        return count
+    # Containers may hide /proc/driver/nvidia but still pass the device files in.
+    try:
+        return len([n for n in os.listdir(dev) if re.fullmatch(r"nvidia\d+", n)])
     except OSError:
         return 0
 

@@ -32,10 +32,26 @@ class CycleEnv:
     gpus: Sequence[str] = ()  # the node's visible GPUs, in CUDA_VISIBLE_DEVICES order
 
 
+def listed_gpus(env: Mapping[str, str]) -> list[str] | None:
+    """The devices CUDA_VISIBLE_DEVICES lists; None when it is unset.
+
+    As CUDA reads it: an invalid entry (such as ``-1``) hides itself and every entry after it.
+    """
+    value = env.get("CUDA_VISIBLE_DEVICES")
+    if value is None:
+        return None
+    listed = []
+    for entry in (d.strip() for d in value.split(",")):
+        if not entry or entry.startswith("-"):
+            break
+        listed.append(entry)
+    return listed
+
+
 def visible_gpus(env: Mapping[str, str], count: int) -> list[str]:
     """The GPUs this node may use: CUDA_VISIBLE_DEVICES when set, else 0..count-1."""
-    listed = [d.strip() for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-    return listed or [str(i) for i in range(count)]
+    listed = listed_gpus(env)
+    return listed if listed is not None else [str(i) for i in range(count)]
 
 
 def rotated_gpus(gpus: Sequence[str], device_map: Sequence[int], local_rank: int) -> str:

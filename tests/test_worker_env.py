@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ft_launcher.policy import JobState
-from ft_launcher.worker_env import CycleEnv, rotated_gpus, visible_gpus, worker_env
+from ft_launcher.worker_env import CycleEnv, listed_gpus, rotated_gpus, visible_gpus, worker_env
 
 
 def _cycle(**kw) -> CycleEnv:
@@ -74,3 +74,8 @@ def test_rotation_keeps_the_users_gpu_names_and_uses_spare_devices():
     assert rotated_gpus(names, [2, 3], 1) == "3,9,5,7"
     assert visible_gpus({"CUDA_VISIBLE_DEVICES": "3, 5"}, 8) == ["3", "5"]
     assert visible_gpus({}, 2) == ["0", "1"]
+    # As CUDA reads the variable: an invalid entry hides itself and what follows.
+    assert listed_gpus({"CUDA_VISIBLE_DEVICES": "2,-1,3"}) == ["2"]
+    assert listed_gpus({"CUDA_VISIBLE_DEVICES": "-1"}) == []
+    assert listed_gpus({"CUDA_VISIBLE_DEVICES": ""}) == []
+    assert listed_gpus({}) is None

@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from ft_launcher.health import OUTPUT_LIMIT, check_gpus, run_health_checks
+from ft_launcher.health import OUTPUT_LIMIT, check_gpus, count_gpus, run_health_checks
 
 
 @pytest.fixture
@@ -199,3 +199,21 @@ def test_bad_health_check_options_name_the_option(args, needle, tmp_path):
 
     with pytest.raises(ConfigError, match=needle):
         _ft(args, tmp_path)
+
+
+def test_count_gpus_reads_the_listed_devices_then_the_driver_then_the_device_files(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    proc, dev = tmp_path / "proc", tmp_path / "dev"
+    proc.mkdir()
+    dev.mkdir()
+    for name in ("nvidia0", "nvidia1", "nvidiactl", "nvidia-uvm"):
+        (dev / name).touch()
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert count_gpus(proc, dev) == 2  # /proc hidden (empty): the device files count
+    for bus in ("0000:01:00.0", "0000:02:00.0", "0000:03:00.0"):
+        (proc / bus).mkdir()
+    assert count_gpus(proc, dev) == 3
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,-1,2")  # CUDA stops at the invalid entry
+    assert count_gpus(proc, dev) == 1
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert count_gpus(proc, dev) == 0
