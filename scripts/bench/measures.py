@@ -160,7 +160,8 @@ def _start_and_wait(run: Run, ctx: Context, nproc: int) -> Result | None:
 
 
 def heartbeat(ctx: Context, launcher: str, tag: str) -> Result:
-    """µs per send_heartbeat() in one worker, ``hb_calls`` calls after a warm-up."""
+    """µs per send_heartbeat() in one worker, ``hb_calls`` calls after a warm-up; then µs
+    per section open+close pair, as many (when the launcher's client has sections)."""
     args = ["--mode", "heartbeat", "--calls", str(ctx.settings.hb_calls)]
     with ctx.run(tag, launcher, 1, 0, args) as run:
         run.wait(lambda: bool(run.events("hb_stats")), ctx.settings.start_bound_s + 60)
@@ -168,7 +169,12 @@ def heartbeat(ctx: Context, launcher: str, tag: str) -> Result:
     if not stats:
         return {"p50_us": None, "p99_us": None, "note": f"no hb_stats (exit {run.exit_code})"}
     s = stats[0]
-    return {"p50_us": s["p50_us"], "p99_us": s["p99_us"], "mean_us": s["mean_us"]}
+    out = {"p50_us": s["p50_us"], "p99_us": s["p99_us"], "mean_us": s["mean_us"]}
+    # One start_section + end_section pair, timed in the same run after the heartbeats.
+    for key in ("sec_p50_us", "sec_p99_us", "section_note"):
+        if key in s:
+            out[key] = s[key]
+    return out
 
 
 # -- 2. hang detection ----------------------------------------------------------------
@@ -223,8 +229,9 @@ def _verdict_reader(launcher: str, run: Run, t_sig: float) -> Callable[[], Verdi
         tail = JsonlTail(run.workdir / "ft_run" / "events.jsonl")
 
         def ours() -> Verdict | None:
-            found.extend(Verdict(r["ts"], r.get("silence_s")) for r in tail.read()
-                         if r.get("event") == "hang_detected")
+            # detected_at: the verdict itself; the event is written once the stacks are in.
+            found.extend(Verdict(r.get("detected_at", r["ts"]), r.get("silence_s"))
+                         for r in tail.read() if r.get("event") == "hang_detected")
             return found[0] if found else None
 
         return ours
