@@ -86,6 +86,8 @@ class Monitor:
         self.unknown_sections: set[str] = set()
         self.diagnoses: list[dict[str, Any]] = []
         self._controls: list[tuple[int, str]] = []
+        # Called with (rank, section, device seconds) when a close carries a device time.
+        self.on_device_time: Callable[[int, str, float], Any] | None = None
         self._handlers: dict[str, Callable[[RankSlot, dict[str, Any], float], None]] = {
             protocol.HEARTBEAT: self._on_heartbeat,
             protocol.SECTION_OPEN: self._on_section_open,
@@ -243,6 +245,9 @@ class Monitor:
     def _on_section_close(self, slot: RankSlot, msg: dict[str, Any], now: float) -> None:
         if not self.liveness.section_close(slot.rank, msg["name"], msg.get("t"), now):
             self._count("close_unopened", f"end of section {msg['name']!r} never opened")
+        # An earlier section's GPU time (validated by the decoder), for the stragglers.
+        if "dev" in msg and self.on_device_time is not None:
+            self.on_device_time(slot.rank, msg["name"], msg["dev"])
 
     def _on_section_close_all(self, slot: RankSlot, msg: dict[str, Any], now: float) -> None:
         self.liveness.section_close_all(slot.rank, msg.get("t"), now)

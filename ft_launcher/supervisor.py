@@ -24,7 +24,7 @@ from typing import Any
 
 import zmq
 
-from ft_launcher import blame, faults, nccl_trace, policy, stacks
+from ft_launcher import blame, faults, nccl_trace, policy, stacks, straggler_exchange
 from ft_launcher.config import LaunchConfig
 from ft_launcher.health import run_health_checks
 from ft_launcher.ledger import Ledger
@@ -126,6 +126,7 @@ class Supervisor:
         self.rdzv = self._make_rendezvous()
         state_path = Path(cfg.ft.state_path) if cfg.ft.state_path else \
             self.rundir.path / "ft_state.json"
+        self.straggler_exchange: straggler_exchange.Exchange | None = None  # per cycle
         self.socket_path = self._socket_path()
         self.monitor = Monitor(
             endpoint=f"ipc://{self.socket_path}",
@@ -300,6 +301,10 @@ class Supervisor:
             for spec in specs:
                 spec.env.update(MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
         group.start(specs, warm=self.standbys.take)
+        self.monitor.on_device_time = self.stragglers.observe_device
+        # Other nodes' medians through the rendezvous store (several nodes only).
+        self.straggler_exchange = straggler_exchange.for_round(
+            self.rdzv, rnd.group_rank, rnd.group_world_size, self.host)
         self.standbys.cycle_started()
         for w in group.workers:
             self.slots[w.rank].pid = w.pid
@@ -555,6 +560,11 @@ class Supervisor:
         self.event("worker_exited", **record)
         self.worker_exits.append({"cycle": self.cycle, **record})
         return info
+        if self.straggler_exchange is not None:
+            det = self.stragglers
+            for node in self.straggler_exchange.poll(det.local_medians(), det.active_clock()):
+                for rank, median_s in node.medians.items():
+                    det.observe_remote(rank, node.host, median_s, node.clock)
 
     # -- faults and hangs --------------------------------------------------------------
 

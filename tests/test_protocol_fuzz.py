@@ -50,6 +50,8 @@ VALID = [
     protocol.encode(protocol.SECTION_OPEN, name="step", t=1.5),
     protocol.encode(protocol.SECTION_CLOSE, name="step", t=2.5),
     protocol.encode(protocol.SECTION_CLOSE_ALL, t=3.0),
+    protocol.section_frames("compute").open(5.5),
+    protocol.section_frames("compute").close(6.5, 0.0125),  # with a device time
     protocol.encode(protocol.CALCULATE, req=1, what="sections", sections=["a", "b"],
                     out_of_section=True),
     protocol.encode(protocol.SET_TIMEOUTS, req=2, timeouts={

@@ -314,3 +314,110 @@ def test_the_first_steps_of_a_rank_are_not_scored():
             d.observe(rank, "compute", 1.0)
     assert d.local_medians() == {0: 1.0, 1: 1.0}
     assert d.evaluate() == []
+
+
+# -- robustness to scheduling noise (issue 14) ------------------------------------------
+# Measured with tests/scripts/straggler_train.py under ft_launcher on this machine (2 cores,
+# load average 3-15 from other engineers' tests), nothing slowed: in 2 ranks x 993 steps one
+# healthy rank's 20-step median stayed 1.5-1.75x the other's for up to 33 steps in a row (5
+# such episodes a minute); the old score (median only) reported 5 false stragglers in every
+# clean run of 2, 4 and 8 ranks. A score alone cannot tell such an episode from a straggler;
+# persistence within the window removes most: replayed through the detector, 0 false reports
+# with 4 ranks (234 steps) and 8 ranks (271 steps), 2 with 2 ranks (993 steps, from 5).
+
+
+def test_an_uneven_excess_is_not_reported_where_a_median_alone_would_be():
+    """Rank 0 is 1.8x slow on 60 % of its steps, in irregular runs (a scheduler's episode):
+    its median is above 1.3 but fewer than 70 % of its steps are; the median-only rule
+    (persist=0) reports it, the default does not."""
+    rng = random.Random(3)
+    slow_steps = {s for s in range(40, 140) if rng.random() < 0.6}
+
+    def duration(step, rank):
+        return BASE_S * (1.8 if rank == 0 and step in slow_steps else 1.0)
+
+    assert run(StragglerDetector(), 2, 160, duration) == []
+    median_only = run(StragglerDetector(persist=0), 2, 160, duration)
+    assert [(e.event, e.rank) for _, e in median_only][:1] == [(DETECTED, 0)]
+
+
+def test_persistence_compares_each_step_with_the_same_step_of_the_others():
+    """Steps shared by every rank (the machine slowed all of them) do not count against a
+    rank: per step, rank 0 is never slower than the others, whatever its median."""
+    det = StragglerDetector(window=10)
+    shared = {2, 3, 5, 7, 8, 9}  # steps where every rank took 3x
+
+    def duration(step, rank):
+        return BASE_S * (3 if step in shared else 1) * (1.05 if rank == 0 else 1.0)
+
+    run(det, 3, 10, duration)
+    assert det.persistence(0, BASE_S) == 0.0
+    # Against a fixed reference (no other local rank has these steps) they would count.
+    lone = StragglerDetector(window=10)
+    run(lone, 1, 10, duration)
+    assert lone.persistence(0, BASE_S) == pytest.approx(0.6)
+
+
+@pytest.mark.parametrize("ranks", [2, 4, 8])
+def test_a_2x_rank_passes_the_persistence_gate_under_jitter(ranks):
+    rng = random.Random(ranks)
+    base = noisy(rng, spike_p=0.1)
+
+    def duration(step, rank):
+        return base(step, rank) * (2 if rank == ranks - 1 and step >= 50 else 1)
+
+    events = run(StragglerDetector(), ranks, 100, duration)
+    assert [(e.event, e.rank) for _, e in events] == [(DETECTED, ranks - 1)]
+    assert events[0][0] < 50 + 20
+
+
+def test_bad_persist_is_rejected():
+    for bad in (-0.1, 1.5, "0.7"):
+        with pytest.raises(ValueError, match="persist"):
+            StragglerDetector(persist=bad)
+
+
+# -- device time -------------------------------------------------------------------------
+
+
+def test_device_times_are_scored_once_every_rank_has_a_window_of_them():
+    """Wall times say nothing (the host is shared evenly); the GPU times of rank 1 are 2x.
+    Device times arrive a few steps late (the client reads completed CUDA events)."""
+    det = StragglerDetector(window=10)
+    events = []
+    for step in range(60):
+        for rank in (0, 1):
+            det.observe(rank, "compute", BASE_S)
+            if step >= 3:  # three steps late
+                det.observe_device(rank, "compute", 0.05 * (2 if rank == 1 else 1))
+        events += [(step, e) for e in det.evaluate()]
+    assert det.active_clock() == "device"
+    assert [(e.event, e.rank, e.clock) for _, e in events] == [(DETECTED, 1, "device")]
+    step, first = events[0]
+    assert first.median_s == pytest.approx(0.1) and first.reference_s == pytest.approx(0.05)
+    assert step >= 3 + 10, "not before a full window of device times"
+
+
+def test_wall_time_is_used_until_every_rank_reports_device_time():
+    det = StragglerDetector(window=5)
+    for _ in range(10):
+        det.observe(0, "compute", BASE_S)
+        det.observe(1, "compute", BASE_S)
+        det.observe_device(0, "compute", 0.5)  # only rank 0 times its GPU
+    assert det.active_clock() == "wall" and det.scores() == {0: 1.0, 1: 1.0}
+
+
+@pytest.mark.parametrize("section, seconds", [("step", 0.1), ("compute", math.nan),
+                                              ("compute", -1.0), ("compute", True)])
+def test_untrusted_device_times_are_ignored(section, seconds):
+    det = StragglerDetector(window=3)
+    assert det.observe_device(0, section, seconds) is False
+
+
+def test_remote_medians_of_another_clock_do_not_count():
+    det = StragglerDetector(window=3)
+    assert det.observe_remote(5, "node-a", BASE_S, clock="device")
+    assert not det.observe_remote(6, "node-a", BASE_S, clock="cpu")
+    run(det, 1, 3, lambda s, r: 2 * BASE_S)
+    assert det.medians() == {0: 2 * BASE_S}, "a wall median is not compared with GPU time"
+    assert det.medians("device") == {5: BASE_S}

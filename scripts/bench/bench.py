@@ -167,7 +167,11 @@ def method(s: Settings) -> list[str]:
         f"heartbeat: one rank calls send_heartbeat() {s.hb_calls:,} times back to back after "
         f"{workload_warmup()} untimed calls, each call timed with perf_counter_ns. ours' "
         "heartbeat is a non-blocking ZeroMQ send; NVRx's writes a pickle to a Unix socket "
-        "and waits for the monitor's reply. torchrun has no client.",
+        "and waits for the monitor's reply. torchrun has no client. Then, in the same "
+        "run, as many start_section(\"compute\") + end_section(\"compute\") pairs, each "
+        "pair timed: the section open+close rows (ours sends two pre-encoded frames; a "
+        "client without sections, or whose section calls fail, leaves them empty with a note "
+        "in the JSON).",
         f"hang: {s.settle_s:g} s after every rank's first step the driver SIGSTOPs rank 1. "
         "Verdict time: ours = ts of hang_detected in the run directory's events.jsonl; NVRx "
         "= timestamp of its rank monitor's log line 'FT timeout elapsed.' (logging's asctime, "

@@ -6,11 +6,12 @@
 Times, in the rank's own process, ``send_heartbeat()``, one ``start_section`` +
 ``end_section`` pair (what straggler detection adds per step), and ``with
 client.section(...)``, each ``--calls`` times per repeat, interleaved so every kind sees the
-same load, plus a pair sent as pre-encoded frames (the heartbeat's fast path; what a section
-fast path in ft_agent.protocol would cost). Outside ft_launcher the monitor is a bare ZeroMQ
-ROUTER in a child process that answers the hello and drops every frame (the client's cost
-does not depend on who reads). Prints p50 and p99 per call in microseconds (median over
-repeats, and their range) and the ratios to a heartbeat.
+same load, plus a pair JSON-encoded per call (the section path before its fast path: frames
+pre-encoded per name in ft_agent.protocol.SectionFrames, as the heartbeat's). Outside
+ft_launcher the monitor is a bare ZeroMQ ROUTER in a child process that answers the hello
+and drops every frame (the client's cost does not depend on who reads). Prints p50 and p99
+per call in microseconds (median over repeats, and their range) and the ratios to a
+heartbeat.
 """
 
 from __future__ import annotations
@@ -84,19 +85,17 @@ def measure(client: RankMonitorClient, calls: int, repeat: int) -> dict[str, Any
         with client.section("compute"):
             pass
 
-    # What a pre-encoded section frame would cost (as heartbeats are sent): not the agent's
-    # code today, a measure of what a fast path in ft_agent.protocol would give.
-    open_prefix = protocol.encode(protocol.SECTION_OPEN, name="compute")[:-1] + b',"t":'
-    close_prefix = protocol.encode(protocol.SECTION_CLOSE, name="compute")[:-1] + b',"t":'
-
-    def pre_encoded() -> None:
+    # What a section cost before its fast path: each frame JSON-encoded per call.
+    def json_encoded() -> None:
         with client._lock:
-            client._send(open_prefix + repr(time.monotonic()).encode() + b"}")
+            client._send(protocol.encode(protocol.SECTION_OPEN, name="compute",
+                                         t=time.monotonic()))
         with client._lock:
-            client._send(close_prefix + repr(time.monotonic()).encode() + b"}")
+            client._send(protocol.encode(protocol.SECTION_CLOSE, name="compute",
+                                         t=time.monotonic()))
 
     kinds = {"send_heartbeat": client.send_heartbeat, "start+end_section": pair,
-             "with section": context, "pair, pre-encoded": pre_encoded}
+             "with section": context, "pair, JSON-encoded": json_encoded}
     runs: dict[str, list[dict[str, float]]] = {k: [] for k in kinds}
     for _ in range(repeat):
         for name, fn in kinds.items():  # interleaved: the same load for each kind
@@ -113,8 +112,8 @@ def measure(client: RankMonitorClient, calls: int, repeat: int) -> dict[str, Any
     hb = result["send_heartbeat"]["p50"]["median"]
     result["ratio_p50_section_pair_over_heartbeat"] = \
         result["start+end_section"]["p50"]["median"] / hb
-    result["ratio_p50_pre_encoded_pair_over_heartbeat"] = \
-        result["pair, pre-encoded"]["p50"]["median"] / hb
+    result["ratio_p50_json_pair_over_heartbeat"] = \
+        result["pair, JSON-encoded"]["p50"]["median"] / hb
     return result
 
 
@@ -153,14 +152,14 @@ def main() -> None:
     print(f"monitor: {result['monitor']}; {args.calls} calls x {args.repeat} repeats; "
           f"load average {result['load_average']:.1f}")
     print(f"{'call':<20} {'p50 us':>22} {'p99 us':>22}")
-    for name in ("send_heartbeat", "start+end_section", "with section", "pair, pre-encoded"):
+    for name in ("send_heartbeat", "start+end_section", "with section", "pair, JSON-encoded"):
         r = result[name]
         cells = [f"{r[s]['median']:.1f} ({r[s]['min']:.1f}-{r[s]['max']:.1f})"
                  for s in ("p50", "p99")]
         print(f"{name:<20} {cells[0]:>22} {cells[1]:>22}")
     print(f"section pair / heartbeat (p50): "
-          f"x{result['ratio_p50_section_pair_over_heartbeat']:.2f}; pre-encoded pair: "
-          f"x{result['ratio_p50_pre_encoded_pair_over_heartbeat']:.2f}")
+          f"x{result['ratio_p50_section_pair_over_heartbeat']:.2f}; JSON-encoded pair (the "
+          f"path before): x{result['ratio_p50_json_pair_over_heartbeat']:.2f}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
 

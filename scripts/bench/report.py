@@ -29,6 +29,8 @@ class Metric:
 METRICS = [
     Metric("heartbeat", "p50_us", "send_heartbeat() p50", "µs", digits=1),
     Metric("heartbeat", "p99_us", "send_heartbeat() p99", "µs", digits=1),
+    Metric("heartbeat", "sec_p50_us", "section open+close p50", "µs", digits=1),
+    Metric("heartbeat", "sec_p99_us", "section open+close p99", "µs", digits=1),
     Metric("hang", "excess_ms", "hang verdict − SIGSTOP − 2 s timeout", "ms", ratio=False,
            digits=0),
     Metric("hang", "lag_ms", "hang verdict − last heartbeat − 2 s timeout (launcher's record)",

@@ -107,11 +107,36 @@ def run_heartbeat(client: Any, record: Recorder, calls: int) -> None:
         t0 = clock()
         client.send_heartbeat()
         costs[i] = clock() - t0
-    costs.sort()
-    us = [c / 1000 for c in costs]
-    record("hb_stats", calls=calls, p50_us=round(us[len(us) // 2], 3),
-           p99_us=round(us[min(len(us) - 1, int(0.99 * len(us)))], 3),
-           mean_us=round(statistics.fmean(us), 3), max_us=round(us[-1], 3))
+    record("hb_stats", calls=calls, **_stats(costs), **_section_stats(client, calls))
+
+
+def _stats(costs_ns: list[int], prefix: str = "") -> dict[str, float]:
+    us = sorted(c / 1000 for c in costs_ns)
+    return {f"{prefix}p50_us": round(us[len(us) // 2], 3),
+            f"{prefix}p99_us": round(us[min(len(us) - 1, int(0.99 * len(us)))], 3),
+            f"{prefix}mean_us": round(statistics.fmean(us), 3),
+            f"{prefix}max_us": round(us[-1], 3)}
+
+
+def _section_stats(client: Any, calls: int) -> dict[str, Any]:
+    """The same, for one ``start_section`` + ``end_section`` pair (what straggler detection
+    adds per step), where the client has sections; ``section_note`` says why not."""
+    if not hasattr(client, "start_section"):
+        return {"section_note": "no sections in this client"}
+    clock = time.perf_counter_ns
+    costs = [0] * calls
+    try:
+        for _ in range(WARMUP_CALLS):
+            client.start_section("compute")
+            client.end_section("compute")
+        for i in range(calls):
+            t0 = clock()
+            client.start_section("compute")
+            client.end_section("compute")
+            costs[i] = clock() - t0
+    except Exception as exc:  # noqa: BLE001 - another launcher's client: record, go on
+        return {"section_note": f"{type(exc).__name__}: {str(exc)[:200]}"}
+    return _stats(costs, "sec_")
 
 
 def run_idle(client: Any, record: Recorder, hz: float, duration: float) -> None:
