@@ -38,6 +38,7 @@ SLOW_MODULES = {
     "test_hostile.py", "test_rerun_multiprocess.py", "test_megatron_loop.py",
     "test_lightning.py", "test_rundir.py", "test_nccl_trace_launcher.py", "test_nodes.py",
     "test_etcd.py", "test_wiring.py", "test_rerun_bench_smoke.py", "test_nvrx_compat.py",
+    "test_frozen.py", "test_straggler_nodes.py",
 }
 SLOW_TESTS = {
     "test_twenty_crash_restarts_in_a_row", "test_two_launchers_on_loopback_form_one_world_and_"
