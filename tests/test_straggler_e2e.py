@@ -214,3 +214,20 @@ def test_a_clean_run_of_8_ranks_reports_no_straggler(run_dir: Path, tmp_path: Pa
     assert min(counts) >= 60, f"too few steps to say anything: {counts}"
     table = speed_table(evs)
     assert len(table) == 8 and all(row["score"] < 1.3 for row in table), table
+
+
+def test_device_times_reach_the_detector_and_name_the_rank(run_dir: Path):
+    """Sections with ``device=True`` under a real launcher; MOCK: the CUDA events only (no
+    GPU here; tests/scripts/straggler_device_train.py). Wall times are equal (a fixed sleep)
+    while rank 1's device times are 3x: the report names rank 1 on clock "device"."""
+    from launch_helpers import run_launcher
+
+    res = run_launcher(run_dir, "--nproc-per-node", "2", *FAST_STOP, *THRESHOLD,
+                       "--ft-straggler-window", "10",
+                       str(SCRIPTS / "straggler_device_train.py"), "--steps", "50",
+                       timeout=180)
+    assert res.returncode == 0, res.stdout[-3000:]
+    detected = named(events(run_dir), "straggler_detected")
+    assert [(e["rank"], e["clock"]) for e in detected] == [(1, "device")], res.stdout[-3000:]
+    assert detected[0]["score"] > 2.0
+    assert detected[0]["median_s"] == pytest.approx(3 * detected[0]["reference_s"], rel=0.3)
