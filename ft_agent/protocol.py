@@ -205,12 +205,12 @@ _ID = _integer(0, MAX_ID)
 _REQ = _integer(0, MAX_INT)
 _ITERATION = _integer(-1, MAX_INT)
 _STAMP = _number(0.0, 1e12)  # a monotonic clock reading, in seconds
+_DEVICE_S = _number(0.0, 7 * 24 * 3600.0)  # a section's device time: a week is garbage
 _EXIT_CODE = _nullable(_integer(-255, 255))
 _OPT_NAME = _nullable(_name)
 _DEVICE = _nullable(_either(_name, _integer(-1, MAX_ID)))
 
 # Per kind: field -> (validator, required). Nothing else survives decoding.
-_DEVICE_S = _number(0.0, 7 * 24 * 3600.0)  # a section's device time: a week is garbage
 _SCHEMA: dict[str, dict[str, tuple[Validator, bool]]] = {
     HELLO: {
         "token": (_text(MAX_NAME_CHARS), True),

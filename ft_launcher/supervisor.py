@@ -126,7 +126,6 @@ class Supervisor:
         self.rdzv = self._make_rendezvous()
         state_path = Path(cfg.ft.state_path) if cfg.ft.state_path else \
             self.rundir.path / "ft_state.json"
-        self.straggler_exchange: straggler_exchange.Exchange | None = None  # per cycle
         self.socket_path = self._socket_path()
         self.monitor = Monitor(
             endpoint=f"ipc://{self.socket_path}",
@@ -144,6 +143,7 @@ class Supervisor:
         # Warm restart (--ft-warm-restart): standby interpreters; inert when off.
         self.standbys = StandbyPool(cfg, self.rundir.logs / "standby", self.event)
         self.stragglers: StragglerDetector | None = None  # per cycle
+        self.straggler_exchange: straggler_exchange.Exchange | None = None  # per cycle
         self.throttle: Throttle | None = None  # a rank_slow fault in progress
 
     # -- setup -------------------------------------------------------------------------
@@ -301,10 +301,6 @@ class Supervisor:
             for spec in specs:
                 spec.env.update(MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
         group.start(specs, warm=self.standbys.take)
-        self.monitor.on_device_time = self.stragglers.observe_device
-        # Other nodes' medians through the rendezvous store (several nodes only).
-        self.straggler_exchange = straggler_exchange.for_round(
-            self.rdzv, rnd.group_rank, rnd.group_world_size, self.host)
         self.standbys.cycle_started()
         for w in group.workers:
             self.slots[w.rank].pid = w.pid
@@ -316,6 +312,10 @@ class Supervisor:
                                             ft.straggler_section, host=self.host,
                                             warmup_steps=STRAGGLER_WARMUP_STEPS)
         self.monitor.liveness.on_section_closed = self.stragglers.observe
+        self.monitor.on_device_time = self.stragglers.observe_device
+        # Other nodes' medians through the rendezvous store (several nodes only).
+        self.straggler_exchange = straggler_exchange.for_round(
+            self.rdzv, rnd.group_rank, rnd.group_world_size, self.host)
         self.event("workers_started", ranks=[w.rank for w in group.workers],
                    pids=[w.pid for w in group.workers], device_map=self.job.device_map(),
                    warm=[w.warm for w in group.workers])
@@ -519,6 +519,11 @@ class Supervisor:
     def _check_stragglers(self) -> CycleResult | None:
         if self.stragglers is None:
             return None
+        if self.straggler_exchange is not None:
+            det = self.stragglers
+            for node in self.straggler_exchange.poll(det.local_medians(), det.active_clock()):
+                for rank, median_s in node.medians.items():
+                    det.observe_remote(rank, node.host, median_s, node.clock)
         for ev in self.stragglers.evaluate():
             self.event(ev.event, **ev.fields())
             action = self.cfg.ft.straggler_action
@@ -560,11 +565,6 @@ class Supervisor:
         self.event("worker_exited", **record)
         self.worker_exits.append({"cycle": self.cycle, **record})
         return info
-        if self.straggler_exchange is not None:
-            det = self.stragglers
-            for node in self.straggler_exchange.poll(det.local_medians(), det.active_clock()):
-                for rank, median_s in node.medians.items():
-                    det.observe_remote(rank, node.host, median_s, node.clock)
 
     # -- faults and hangs --------------------------------------------------------------
 
