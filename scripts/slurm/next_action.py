@@ -10,12 +10,20 @@ itself, so the whole table below can be tested without a cluster.
 |-------------------------------------------------------|-------------------------------|
 | the wrapper got SIGTERM (scancel, time limit, ...) | stop: Slurm owns the job now |
 | every launcher exited 0, training finished | finished |
+| the training finished on the other nodes; some nodes | finished; those nodes are |
+| left the job (health check failed, died) and spares | reported (``check_nodes``), |
+| took their place (the launch's status is 0) | the job is not requeued |
 | exit 0 but FAULT_TOL_FINISHED_FLAG_FILE is missing | requeue (not finished yet) |
 | exit 0 after USR1 and no finished flag | requeue (checkpointed, time up)|
 | a summary says ``requeue: false`` | stop, print its ``why`` |
-| a node left no summary.json (the launcher crashed) | requeue |
+| a node left no summary.json while others wrote one | requeue, excluding that node |
+| (its launcher or the node died) | |
+| no node left a summary (the launch itself failed) | requeue, nobody excluded |
 | USR1 came before the launcher started | requeue |
 | otherwise (every summary says ``requeue: true``) | requeue, excluding its nodes |
+
+A hot spare that was never needed exits 0 without having run a worker (its summary has an
+empty ``workers`` list): it counts neither as a failure nor as the node that finished.
 
 A requeue becomes a stop when the resubmission budget is spent (``SLURM_RESTART_COUNT``
 has reached ``--max-resubmissions``) or when the exclusions would leave fewer nodes in the
@@ -32,7 +40,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass, field
+import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +62,21 @@ class NodeResult:
     path: Path
     summary: dict[str, Any] | None
     problem: str = ""
+    missing: bool = False  # no summary.json at all: the launcher (or its node) died
+
+    @property
+    def code(self) -> int | None:
+        return None if self.summary is None else _int(self.summary.get("exit_code"), 1)
+
+    @property
+    def unneeded_spare(self) -> bool:
+        """Exited 0 without ever running a worker: a hot spare the job did not need."""
+        return self.code == 0 and self.summary is not None and self.summary.get("workers") == []
+
+    @property
+    def stopped(self) -> bool:
+        """Failed and asked not to be requeued (the job must stop)."""
+        return bool(self.code) and not self.summary["next_action"].get("requeue", False)
 
 
 @dataclass
@@ -70,6 +94,7 @@ class Inputs:
     got_term: bool = False
     not_started: bool = False
     finished_flag_file: str = ""
+    record: str = ""  # where main() appends the decision (not used by decide())
 
 
 @dataclass
@@ -80,6 +105,8 @@ class Decision:
     exit_code: int
     why: str
     exclude: list[str] = field(default_factory=list)
+    check_nodes: list[str] = field(default_factory=list)  # left the job: for the admin
+    notes: list[str] = field(default_factory=list)  # one line per node in check_nodes
 
 
 def read_summary(node: str, path: Path) -> NodeResult:
@@ -87,7 +114,8 @@ def read_summary(node: str, path: Path) -> NodeResult:
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
-        return NodeResult(node, path, None, f"no {path} (the launcher on {node} crashed?)")
+        return NodeResult(node, path, None, f"no {path} (the launcher on {node} crashed?)",
+                          missing=True)
     except (OSError, ValueError) as exc:
         return NodeResult(node, path, None, f"unreadable {path}: {exc}")
     if not isinstance(data, dict) or not isinstance(data.get("next_action"), dict):
@@ -132,13 +160,45 @@ def _finished(inp: Inputs) -> tuple[bool, str]:
         return False, f"exit 0 but the finished flag file {flag} does not exist: not finished"
     if inp.got_usr1:
         return False, "exit 0 after USR1: the training checkpointed before the time limit"
+    if _departed(inp):
+        return True, "training finished (the nodes that trained exited 0)"
     return True, "training finished (every launcher exited 0)"
 
 
 def _exit_zero(inp: Inputs) -> bool:
+    """The launch succeeded: every node finished, or left the job while a spare took its
+    place (the wrapper's per-node step then exits 0 for it) and the others finished."""
     if inp.launcher_exit != 0:
         return False
-    return all(r.summary is not None and r.summary.get("exit_code") == 0 for r in inp.nodes)
+    if any(r.summary is None and not r.missing for r in inp.nodes):
+        return False  # an unreadable summary: nothing is known about that node
+    if any(r.stopped for r in inp.nodes if r.summary is not None):
+        return False
+    return any(r.code == 0 and not r.unneeded_spare for r in inp.nodes)
+
+
+def _departed(inp: Inputs) -> list[NodeResult]:
+    """Nodes that left a job that went on without them: failed and asked for a requeue
+    (a health check, restarts exhausted, an exclusion), or left no summary (died)."""
+    return [r for r in inp.nodes if r.missing or (r.summary is not None and r.code != 0)]
+
+
+def _node_why(r: NodeResult) -> str:
+    if r.summary is None:
+        return f"{r.node}: left no summary.json (its launcher or the node died)"
+    why = r.summary["next_action"].get("why") or r.summary.get("reason") or ""
+    return f"{r.node}: {_with_code(why or f'exit {r.code}', r.code or 0)}"
+
+
+def _report_departed(inp: Inputs, decision: Decision) -> Decision:
+    """Name the nodes that left the job, so that an admin can check (drain) them."""
+    gone = _departed(inp)
+    decision.check_nodes = [r.node for r in gone]
+    decision.notes = [f"{_node_why(r)}; it left the job and a spare took its place"
+                      for r in gone]
+    if gone:
+        decision.why += f"; {len(gone)} node(s) left the job: {','.join(decision.check_nodes)}"
+    return decision
 
 
 def decide(inp: Inputs) -> Decision:
@@ -151,11 +211,36 @@ def decide(inp: Inputs) -> Decision:
                                 "started", [])
     if _exit_zero(inp):
         done, why = _finished(inp)
-        if done:
-            return Decision(FINISHED, 0, why)
-        # not finished: exit 1 if the budget stops it, so the job does not look successful
-        return _requeue_or_stop(inp, 1, why, [])
+        if done:  # done is done: a node that left is reported, not worth a requeue
+            return _report_departed(inp, Decision(FINISHED, 0, why))
+        # not finished: exit 1 if the budget stops it, so the job does not look successful;
+        # the next run leaves out the nodes that left this one sick
+        names = _exclusions(inp, _departed(inp))[0]
+        return _report_departed(inp, _requeue_or_stop(inp, 1, why, names))
     return _after_failure(inp)
+
+
+def _exclusions(inp: Inputs, results: list[NodeResult]) -> tuple[list[str], list[str]]:
+    """Slurm node names that ``results`` ask to exclude, and the complaints about entries
+    that cannot be mapped. A node with no summary while another node wrote one died (or
+    its launcher did): it is excluded too. Where no node wrote one, the launch itself
+    failed, and no node is to blame."""
+    known = sorted(set(inp.partition_nodes) | set(inp.excluded) | {r.node for r in inp.nodes})
+    hosts = _host_map(inp.nodes)
+    someone_wrote = _someone_wrote(inp)
+    names: list[str] = []
+    complaints: list[str] = []
+    for r in results:
+        if r.missing and someone_wrote:
+            names.append(r.node)
+        if r.summary is None or not r.summary["next_action"].get("requeue", False):
+            continue
+        mapped, unmapped = slurm_names(r, known, hosts)
+        names += mapped
+        if unmapped:
+            complaints.append(f"{r.node}: cannot map {','.join(unmapped)} to Slurm nodes, "
+                              "not excluded")
+    return names, complaints
 
 
 def _after_failure(inp: Inputs) -> Decision:
@@ -163,34 +248,36 @@ def _after_failure(inp: Inputs) -> Decision:
     # The job's code is a failing node's own code (srun's status says less), preferring one
     # that failed by itself over one stopped by a signal (128+N), which srun's
     # --kill-on-bad-exit sends the other nodes after the first failure.
+    # A node whose summary is missing has no code of its own: srun's status stands in.
     codes: list[int] = []
-    known = sorted(set(inp.partition_nodes) | set(inp.excluded) | {r.node for r in inp.nodes})
-    hosts = _host_map(inp.nodes)
     reasons: list[str] = []
-    new_excludes: list[str] = []
+    failed: list[NodeResult] = []
     for r in inp.nodes:
         if r.summary is None:
-            reasons.append(r.problem)
+            reasons.append(r.problem + ("; excluded: it died while others wrote theirs"
+                                        if r.missing and _someone_wrote(inp) else ""))
+            failed.append(r)
             continue
-        action = r.summary["next_action"]
-        node_code = _int(r.summary.get("exit_code"), inp.launcher_exit)
+        node_code = r.code or 0
         if node_code == 0:
-            continue  # this node was fine; another one failed
-        why = action.get("why") or f"exit {node_code}"
-        if not action.get("requeue", False):
+            continue  # this node was fine (or a spare never needed); another one failed
+        why = r.summary["next_action"].get("why") or f"exit {node_code}"
+        if r.stopped:
             return Decision(STOP, node_code, f"{r.node}: {_with_code(why, node_code)}; "
                             "not requeued")
-        names, unmapped = slurm_names(r, known, hosts)
-        new_excludes += names
         reasons.append(f"{r.node}: {_with_code(why, node_code)}")
-        if unmapped:
-            reasons.append(f"{r.node}: cannot map {','.join(unmapped)} to Slurm nodes, "
-                           "not excluded")
+        failed.append(r)
         codes.append(node_code)
+    new_excludes, complaints = _exclusions(inp, failed)
+    reasons += complaints
     own = [c for c in codes if c < 128]
-    code = (own or codes or [inp.launcher_exit or 1])[0]
+    code = (own or ([inp.launcher_exit] if inp.launcher_exit else codes) or [1])[0]
     return _requeue_or_stop(inp, code, "; ".join(reasons) or f"launcher exit {code}",
                             new_excludes)
+
+
+def _someone_wrote(inp: Inputs) -> bool:
+    return any(r.summary is not None for r in inp.nodes)
 
 
 def _with_code(why: str, code: int) -> str:
@@ -250,6 +337,8 @@ def parse_args(argv: list[str]) -> Inputs:
     p.add_argument("--not-started", action="store_true",
                    help="USR1 came before the launch, so the launcher never ran")
     p.add_argument("--finished-flag-file", default="")
+    p.add_argument("--record", default="", metavar="FILE",
+                   help="append the decision to this JSON-lines file (verdicts.jsonl)")
     a = p.parse_args(argv)
     nodes = []
     for item in a.summary:
@@ -271,6 +360,7 @@ def parse_args(argv: list[str]) -> Inputs:
         got_term=a.got_term,
         not_started=a.not_started,
         finished_flag_file=a.finished_flag_file,
+        record=a.record,
     )
 
 
@@ -285,8 +375,29 @@ def main(argv: list[str] | None = None) -> int:
     print(f"action={d.action}")
     print(f"exit_code={d.exit_code}")
     print(f"exclude={','.join(d.exclude)}")
-    print(f"why={' '.join(d.why.split())}")  # one line, whatever the summary held
+    print(f"why={_one_line(d.why)}")  # one line, whatever the summary held
+    print(f"check_nodes={','.join(d.check_nodes)}")
+    for note in d.notes:
+        print(f"note={_one_line(note)}")
+    if inp.record:
+        record(Path(inp.record), inp, d)
     return 0
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def record(path: Path, inp: Inputs, d: Decision) -> None:
+    """Append the decision as one JSON line; a failure is reported, never fatal (the
+    decision on stdout is what the wrapper acts on)."""
+    line = {"ts": round(time.time(), 3), "restart_count": inp.restart_count,
+            "launcher_exit": inp.launcher_exit, **asdict(d)}
+    try:
+        with path.open("a") as f:
+            f.write(json.dumps(line, sort_keys=True) + "\n")
+    except OSError as exc:
+        print(f"next_action.py: cannot append to {path}: {exc}", file=sys.stderr)
 
 
 if __name__ == "__main__":

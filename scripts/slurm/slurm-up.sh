@@ -2,9 +2,9 @@
 # slurm-up.sh - bring up a local Slurm 22.05 cluster (munge + slurmctld +
 # one slurmd per node) on Debian 12 WITHOUT systemd and WITHOUT cgroups.
 #
-# Default: one node called "localhost". SLURM_UP_NODES=2 gives two nodes "node1"
-# and "node2", each served by its own slurmd on this machine (Debian's build has
-# MULTIPLE_SLURMD=Yes), which makes --exclude / --nodelist testable.
+# Default: one node called "localhost". SLURM_UP_NODES=N (2..9) gives N nodes "node1"
+# .. "nodeN", each served by its own slurmd on this machine (Debian's build has
+# MULTIPLE_SLURMD=Yes), which makes --exclude / --nodelist and spare nodes testable.
 #
 # Idempotent: re-running it when everything is already up only re-checks state
 # (packages installed, config unchanged, daemons alive, node(s) idle). If the
@@ -13,10 +13,10 @@
 # SLURM_UP_CLEAN=1.
 #
 # Must run as root. Only talks to 127.0.0.1. Stop with slurm-down.sh.
-# The project's tests (tests/slurm) run it with SLURM_UP_NODES=2; see README.md here.
+# The project's tests (tests/slurm) run it with SLURM_UP_NODES=3; see README.md here.
 #
 # Environment knobs:
-#   SLURM_UP_NODES=1       1 -> node "localhost"; 2 -> nodes "node1" "node2"
+#   SLURM_UP_NODES=1       1 -> node "localhost"; N (2..9) -> nodes "node1" .. "nodeN"
 #   SLURM_UP_NODENAMES="a b"  explicit node names (overrides SLURM_UP_NODES)
 #   SLURM_UP_CLEAN=1       forget all saved jobs (slurmctld -c, wipe spool and
 #                          jobcomp.log; job ids restart at 1)
@@ -33,12 +33,14 @@ log() { printf '[slurm-up %7ss] %s\n' "$(elapsed)" "$*"; }
 # Node names. NOTE: Slurm 22.05 treats a lone node called "localhost" as a
 # catch-all (any unknown node name resolves to it, so --exclude=<anything>
 # excludes it) and refuses "localhost" next to a second node ("Duplicated
-# NodeHostName"). So: 1 node -> "localhost"; 2 nodes -> "node1 node2".
+# NodeHostName"). So: 1 node -> "localhost"; N nodes -> "node1 .. nodeN".
 if [ -n "${SLURM_UP_NODENAMES:-}" ]; then
     read -r -a NODES <<<"$SLURM_UP_NODENAMES"
 else
-    case "${SLURM_UP_NODES:-1}" in 1) NODES=(localhost) ;; 2) NODES=(node1 node2) ;;
-        *) echo "SLURM_UP_NODES must be 1 or 2 (or set SLURM_UP_NODENAMES)" >&2; exit 1 ;; esac
+    case "${SLURM_UP_NODES:-1}" in
+        1) NODES=(localhost) ;;
+        [2-9]) read -r -a NODES <<<"$(seq -f 'node%g' -s ' ' 1 "$SLURM_UP_NODES")" ;;
+        *) echo "SLURM_UP_NODES must be 1 to 9 (or set SLURM_UP_NODENAMES)" >&2; exit 1 ;; esac
 fi
 if [ ${#NODES[@]} -gt 1 ] && printf '%s\n' "${NODES[@]}" | grep -qx localhost; then
     echo "a node named 'localhost' only works as the only node" >&2; exit 1

@@ -1,4 +1,4 @@
-"""A real Slurm 22.05 cluster (two slurmd: node1, node2) for the tests of scripts/slurm.
+"""A real Slurm 22.05 cluster (three slurmd: node1 to node3) for the tests of scripts/slurm.
 
 The session fixture ``slurm_cluster`` runs ``scripts/slurm/slurm-up.sh`` (installs Debian's
 slurmctld, slurmd, slurm-client and munge when missing, starts the daemons without
@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SLURM_DIR = ROOT / "scripts" / "slurm"
 WRAPPER = SLURM_DIR / "ft_sbatch.sh"
 TRAIN = Path(__file__).resolve().parent / "slurm_train.py"
-NODES = ("node1", "node2")
+NODES = ("node1", "node2", "node3")  # three: a 2-node job can have a spare, or lose a node
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
             "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
 PACKAGES = ("munge", "slurmctld", "slurmd", "slurm-client")
@@ -61,7 +61,7 @@ def _packages_installed() -> bool:
 
 
 def _cluster_up() -> bool:
-    """slurmctld answers and both test nodes exist."""
+    """slurmctld answers and every test node exists."""
     if shutil.which("scontrol") is None:
         return False
     try:
@@ -75,13 +75,13 @@ def _cluster_up() -> bool:
 
 @pytest.fixture(scope="session")
 def slurm_cluster() -> Iterator[None]:
-    """Bring the 2-node cluster up once per session; take it down if this started it."""
+    """Bring the 3-node cluster up once per session; take it down if this started it."""
     if os.geteuid() != 0:
         _unavailable("the Slurm tests need root (slurm-up.sh installs packages, starts daemons)")
     if shutil.which("dpkg-query") is None:
         _unavailable("the Slurm tests need a Debian system (dpkg, apt)")
     was_up = _cluster_up()
-    env = {**os.environ, "SLURM_UP_NODES": "2"}
+    env = {**os.environ, "SLURM_UP_NODES": str(len(NODES))}
     try:
         up = subprocess.run(["bash", str(SLURM_DIR / "slurm-up.sh")], env=env,
                             capture_output=True, text=True, timeout=300)

@@ -9,7 +9,10 @@ Every run appends "<SLURMD_NODENAME> <SLURM_RESTART_COUNT>" to STATE_DIR/runs.tx
 - ``usr1``: the USR1 contract: installs a SIGUSR1 handler, says it is ready
   (STATE_DIR/ready and ready.<node>), "trains" until USR1 arrives, then writes
   STATE_DIR/ckpt and exits 0. A later run that finds the checkpoint resumes, and finishes at once.
-- ``hold``: says it is ready and sleeps until a signal ends it.
+- ``hold``: says it is ready (STATE_DIR/ready and ready.<node>) and sleeps until a signal
+  ends it.
+- ``hold-first-run``: ``hold`` on the job's first run; a requeued run (SLURM_RESTART_COUNT
+  set) exits 0 at once.
 
 ``--linger S`` waits S seconds before exiting. Two-node tests need it: ft_launcher has no
 exit barrier yet, so a node whose workers finish at once shuts the c10d rendezvous down
@@ -29,7 +32,8 @@ from pathlib import Path
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["first-node-16", "exit", "exit-on", "usr1", "hold"])
+    p.add_argument("mode", choices=["first-node-16", "exit", "exit-on", "usr1", "hold",
+                                    "hold-first-run"])
     p.add_argument("state_dir", type=Path)
     p.add_argument("--code", type=int, default=0)
     p.add_argument("--node", default="")
@@ -58,6 +62,9 @@ def run(a: argparse.Namespace) -> int:
         return a.code if node == a.node else 0
     if a.mode == "usr1":
         return usr1(a.state_dir, node)
+    if a.mode == "hold-first-run" and "SLURM_RESTART_COUNT" in os.environ:
+        return 0
+    (a.state_dir / f"ready.{node}").write_text(str(os.getpid()))
     (a.state_dir / "ready").write_text(str(os.getpid()))
     time.sleep(120)  # ended by a signal; the test's deadline is far shorter
     return 3

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 from pathlib import Path
 
+import psutil
 import pytest
 
 from .conftest import TRAIN, WRAPPER, SlurmJobs
@@ -132,16 +134,17 @@ def test_scancel_is_not_undone_by_a_requeue(slurm_jobs):
 def test_two_node_job_maps_each_summary_to_its_slurm_node(slurm_jobs):
     # Both slurmd run on this host, so both launchers report the same hostname; the
     # wrapper must still blame node2 (its run directory), and excluding node2 leaves one
-    # node for a two-node job: stop rather than queue forever.
+    # node (node3 is excluded from the start) for a two-node job: stop rather than queue
+    # forever.
     job = slurm_jobs.submit("--rdzv-port", str(29400 + os.getpid() % 500), "--",
                             *train(slurm_jobs, "exit-on", "--node", "node2", "--code", "16",
                                   "--linger", "2"),
-                            sbatch=("-N", "2"))
-    f = slurm_jobs.wait_done(job, 45)
+                            sbatch=("-N", "2", "-x", "node3"))
+    f = slurm_jobs.wait_done(job, 120)  # two launchers: 45 s at load 20 on 2 cores
     out = slurm_jobs.output(job)
     assert (f["JobState"], f["ExitCode"], f["Restarts"]) == ("FAILED", "16:0", "0"), out
     assert "node2: exit 16" in out
-    assert "excluding node2 would leave 1 node(s) for a 2-node job; not requeued" in out
+    assert "excluding node2,node3 would leave 1 node(s) for a 2-node job; not requeued" in out
     summary = json.loads((slurm_jobs.workdir / "runs" / job / "node2" / "summary.json")
                          .read_text())
     assert summary["next_action"]["exclude_nodes"] == [summary["host"]]
@@ -157,7 +160,7 @@ def test_two_node_usr1_reaches_both_launchers_through_srun(slurm_jobs):
     for node in ("node1", "node2"):  # both handlers installed before the signal
         slurm_jobs.wait_file(slurm_jobs.workdir / f"ready.{node}", 30, job)
     subprocess.run(["scancel", "--batch", "--signal=USR1", job], check=True, timeout=15)
-    f = slurm_jobs.wait_done(job, 45)
+    f = slurm_jobs.wait_done(job, 120)  # two launches of two launchers: 45 s at load 20
     out = slurm_jobs.output(job)
     assert (f["JobState"], f["ExitCode"], f["Restarts"]) == ("COMPLETED", "0:0", "1"), out
     assert "passing it to the launchers through srun" in out
@@ -167,6 +170,95 @@ def test_two_node_usr1_reaches_both_launchers_through_srun(slurm_jobs):
                                         ("node2", "unset")]
 
 
+SICK_NODE = "node1"  # the batch node: it also hosts the rendezvous store, which must survive
+SICK_CHECK = (f'if [ "$SLURMD_NODENAME" = {SICK_NODE} ]; then '
+              'echo "GPU 3 fell off the bus (simulated)"; exit 1; fi')
+
+
+def events(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.slurm
+def test_a_node_failing_its_health_check_is_replaced_by_the_spare_and_reported(slurm_jobs):
+    # three nodes for a 2:2 job: node1 fails its health check, does not join, and the
+    # other two finish. The job is done, so it is not requeued; node1 is reported.
+    job = slurm_jobs.submit("--max-resubmissions", "2", "--nnodes", "2:2", "--rdzv-port",
+                            str(28400 + os.getpid() % 500), "--",
+                            "--ft-health-check", SICK_CHECK,
+                            *train(slurm_jobs, "exit", "--code", "0"),
+                            sbatch=("-N", "3"))
+    f = slurm_jobs.wait_done(job, 180)  # 30 to 54 s at load 10 to 20 on 2 cores
+    out = slurm_jobs.output(job)
+    assert (f["JobState"], f["ExitCode"], f["Restarts"]) == ("COMPLETED", "0:0", "0"), out
+    assert f["ExcNodeList"] == "(null)", out
+    healthy = sorted({"node1", "node2", "node3"} - {SICK_NODE})
+    assert sorted(r[0] for r in runs(slurm_jobs)) == healthy, out  # trained on the others
+    run_dir = slurm_jobs.workdir / "runs" / job
+    sick = events(run_dir / SICK_NODE / "events.jsonl")
+    failed = [e for e in sick if e["event"] == "health_check_failed"]
+    assert [(e["check"], e["exit_code"]) for e in failed] == [(SICK_CHECK, 1)], out
+    assert "GPU 3 fell off the bus (simulated)" in failed[0]["output"]
+    assert not [e for e in sick if e["event"] in ("rendezvous_done", "workers_started")]
+    summary = json.loads((run_dir / SICK_NODE / "summary.json").read_text())
+    assert (summary["exit_code"], summary["next_action"]["requeue"],
+            summary["next_action"]["exclude_nodes"]) == (1, True, [summary["host"]])
+    for node in healthy:
+        assert json.loads((run_dir / node / "summary.json").read_text())["exit_code"] == 0
+    assert f"{SICK_NODE}: the launcher exited 1; the node leaves the job (1 of 1 spare" in out
+    assert ("finished: training finished (the nodes that trained exited 0); 1 node(s) left "
+            f"the job: {SICK_NODE}") in out
+    assert (f"node left the job: {SICK_NODE}: health check failed: {SICK_CHECK} (exit 1) "
+            "GPU 3 fell off the bus (simulated)") in out
+    assert f"check these nodes before they run jobs again: {SICK_NODE} " in out
+    assert "requeue:" not in out
+    verdict = events(run_dir / "verdicts.jsonl")
+    assert [(v["action"], v["check_nodes"]) for v in verdict] == [("finished", [SICK_NODE])]
+
+
+def launcher_of(jobs: SlurmJobs, job: str, node: str) -> psutil.Process:
+    """The ft_launcher process of ``node`` in ``job`` (its --ft-run-dir names the node)."""
+    run_dir = str(jobs.workdir / "runs" / job / node)
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if any(a.endswith("ft_launcher") for a in cmd[:2]) and run_dir in cmd:
+            return p
+    pytest.fail(f"no launcher with --ft-run-dir {run_dir}:\n{jobs.output(job)[-3000:]}")
+
+
+@pytest.mark.slurm
+def test_a_dead_node_without_a_spare_is_excluded_when_the_job_is_requeued(slurm_jobs):
+    # two nodes for a 2-node job (no spare): SIGKILL one launcher (a node that dies
+    # leaves no summary); the job is requeued without that node and finishes on two others
+    job = slurm_jobs.submit("--max-resubmissions", "1", "--rdzv-port",
+                            str(27400 + os.getpid() % 500), "--",
+                            *train(slurm_jobs, "hold-first-run"), sbatch=("-N", "2"))
+    first = slurm_jobs.wait_state(job, {"RUNNING"}, 60)
+    nodes = subprocess.run(["scontrol", "show", "hostnames", first["NodeList"]],
+                           capture_output=True, text=True, timeout=15).stdout.split()
+    victim = next(n for n in nodes if n != first["BatchHost"])  # the batch node holds the job
+    for node in nodes:  # both launchers are up, and their workers run
+        slurm_jobs.wait_file(slurm_jobs.workdir / f"ready.{node}", 90, job)
+    launcher_of(slurm_jobs, job, victim).send_signal(signal.SIGKILL)
+    f = slurm_jobs.wait_done(job, 240)  # a requeue and a second launch: 98 s at load 20
+    out = slurm_jobs.output(job)
+    assert (f["JobState"], f["ExitCode"], f["Restarts"]) == ("COMPLETED", "0:0", "1"), out
+    assert f["ExcNodeList"] == victim, out
+    second = subprocess.run(["scontrol", "show", "hostnames", f["NodeList"]],
+                            capture_output=True, text=True, timeout=15).stdout.split()
+    assert len(second) == 2 and victim not in second, out
+    assert f"no {slurm_jobs.workdir}/runs/{job}/{victim}/summary.json" in out
+    assert "excluded: it died while others wrote theirs" in out
+    assert f"requeue 1 of 1 excluding {victim}" in out and f"ExcNodeList={victim}" in out
+    assert "finished: training finished (every launcher exited 0)" in out
+    run_dir = slurm_jobs.workdir / "runs" / job
+    dead = events(run_dir / victim / "events.jsonl")  # the first run's, never finished
+    assert dead[0]["event"] == "launcher_started"
+    assert not [e for e in dead if e["event"] == "launcher_exited"]
+    assert sorted(runs(slurm_jobs)) == sorted([(n, "unset") for n in nodes]
+                                              + [(n, "1") for n in second])
+
+
 def test_wrapper_outside_slurm_is_a_one_line_error(tmp_path: Path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     out = subprocess.run(["bash", str(WRAPPER), "train.py"], capture_output=True, text=True,
@@ -174,6 +266,22 @@ def test_wrapper_outside_slurm_is_a_one_line_error(tmp_path: Path):
     assert out.returncode == 2
     assert out.stderr.strip() == ("ft_sbatch: error: SLURM_JOB_ID is not set: submit this "
                                   "script with sbatch")
+
+
+@pytest.mark.parametrize("nnodes, message", [
+    ("2-3", "--nnodes (or FT_NNODES) must be N or MIN:MAX, got '2-3'"),
+    ("3:2", "--nnodes: expected 1 <= MIN <= MAX, got '3:2'"),
+    ("3:3", "--nnodes 3:3 needs at least 3 nodes; the job has 2 (sbatch --nodes)"),
+])
+def test_wrapper_rejects_nnodes_the_allocation_cannot_hold(tmp_path: Path, nnodes, message):
+    # Slurm's variables set by hand: the checks run before anything is started
+    env = {**os.environ, "SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "2",
+           "FT_LAUNCHER": "true", "FT_PYTHON": "true"}
+    out = subprocess.run(["bash", str(WRAPPER), "--nnodes", nnodes, "train.py"],
+                         capture_output=True, text=True, timeout=30, cwd=tmp_path, env=env)
+    assert (out.returncode, out.stdout) == (2, "")
+    assert out.stderr.strip() == f"ft_sbatch: error: {message}"
+    assert not (tmp_path / "ft_runs").exists()  # nothing was run
 
 
 def test_wrapper_rejects_a_bad_budget(tmp_path: Path):

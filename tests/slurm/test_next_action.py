@@ -25,13 +25,35 @@ _spec.loader.exec_module(na)
 
 
 def write_summary(path: Path, code: int, requeue: bool, exclude: list[str] | None = None,
-                  why: str = "", host: str = "vm") -> Path:
+                  why: str = "", host: str = "vm", workers: list[dict] | None = None) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({
-        "version": 1, "host": host, "exit_code": code, "reason": why,
-        "next_action": {"requeue": requeue, "exclude_nodes": exclude or [], "why": why},
-    }))
+    summary = {"version": 1, "host": host, "exit_code": code, "reason": why,
+               "next_action": {"requeue": requeue, "exclude_nodes": exclude or [], "why": why}}
+    if workers is not None:  # ft_launcher writes the list; older tests leave it out
+        summary["workers"] = workers
+    path.write_text(json.dumps(summary))
     return path
+
+
+TRAINED = [{"cycle": 0, "rank": 0, "exit_code": 0}]  # a node whose workers ran and exited 0
+SICK = "health check failed: test $SLURMD_NODENAME != node1 (exit 1)"
+
+
+def three_nodes(tmp_path: Path, node1: tuple | None, node2: tuple, node3: tuple
+                ) -> dict[str, Path]:
+    """Summaries of a 3-node allocation (node1's is not written when ``node1`` is None);
+    each tuple is write_summary's (code, requeue, exclude, why, workers)."""
+    out = {}
+    for name, spec in (("node1", node1), ("node2", node2), ("node3", node3)):
+        path = tmp_path / name / "summary.json"
+        if spec is not None:
+            code, requeue, exclude, why, workers = spec
+            write_summary(path, code, requeue, exclude, why, workers=workers)
+        out[name] = path
+    return out
+
+
+PARTITION = ["node1", "node2", "node3"]
 
 
 def decide(tmp_path: Path, launcher_exit: int, summaries: dict[str, Path] | None = None,
@@ -163,7 +185,7 @@ def test_cli_prints_key_value_lines(tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == [
         "action=requeue", "exit_code=16", "exclude=node1",
-        "why=node1: exit 16: no device; requeue 1 of 2 excluding node1"]
+        "why=node1: exit 16: no device; requeue 1 of 2 excluding node1", "check_nodes="]
 
 
 @pytest.mark.parametrize("args, message", [
@@ -176,3 +198,93 @@ def test_cli_usage_errors_are_one_line(args, message):
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.count("\n") == 1 and message in out.stderr
+
+
+# ---------------------------------------------------------------- nodes that left the job
+
+def test_a_node_that_failed_its_health_check_while_the_others_finished_is_reported(tmp_path):
+    # --nodes 3, --nnodes 2:2: node1 failed its check and left; a spare took its place
+    nodes = three_nodes(tmp_path, (1, True, ["vm"], SICK, []), (0, False, [], "done", TRAINED),
+                        (0, False, [], "done", TRAINED))
+    d = decide(tmp_path, 0, nodes, nnodes=3, partition_nodes=PARTITION)
+    assert (d.action, d.exit_code, d.exclude) == ("finished", 0, [])
+    assert d.why == ("training finished (the nodes that trained exited 0); 1 node(s) left "
+                     "the job: node1")
+    assert d.check_nodes == ["node1"]
+    assert d.notes == [f"node1: {SICK}; it left the job and a spare took its place"]
+
+
+def test_a_sick_node_is_excluded_when_the_job_is_requeued_anyway(tmp_path):
+    # the same, but the training only checkpointed (USR1): the next run goes without node1
+    nodes = three_nodes(tmp_path, (1, True, ["vm"], SICK, []), (0, False, [], "", TRAINED),
+                        (0, False, [], "", TRAINED))
+    d = decide(tmp_path, 0, nodes, nnodes=3, got_usr1=True,
+               partition_nodes=[*PARTITION, "node4"])
+    assert (d.action, d.exit_code, d.exclude) == ("requeue", 1, ["node1"])
+    assert d.check_nodes == ["node1"]
+
+
+def test_a_node_with_no_summary_while_the_others_wrote_one_died_and_is_excluded(tmp_path):
+    # -N 2 with no spare: node1's launcher was SIGKILLed, srun TERMed node2's
+    nodes = three_nodes(tmp_path, None, (143, True, [], "launcher received SIGTERM", TRAINED),
+                        (0, False, [], "", TRAINED))
+    del nodes["node3"]
+    d = decide(tmp_path, 137, nodes, nnodes=2, partition_nodes=PARTITION)
+    assert (d.action, d.exit_code, d.exclude) == ("requeue", 137, ["node1"])
+    assert "the launcher on node1 crashed?" in d.why and "excluded: it died" in d.why
+    assert d.why.endswith("requeue 1 of 3 excluding node1")
+
+
+def test_no_summary_anywhere_blames_no_node(tmp_path):
+    nodes = {"node1": tmp_path / "node1" / "summary.json",
+             "node2": tmp_path / "node2" / "summary.json"}
+    d = decide(tmp_path, 2, nodes, nnodes=2, partition_nodes=PARTITION)
+    assert (d.action, d.exit_code, d.exclude) == ("requeue", 2, [])
+
+
+def test_a_dead_node_whose_spare_finished_the_job_is_reported_not_requeued(tmp_path):
+    nodes = three_nodes(tmp_path, None, (0, False, [], "", TRAINED), (0, False, [], "", TRAINED))
+    d = decide(tmp_path, 0, nodes, nnodes=3, partition_nodes=PARTITION)
+    assert (d.action, d.exclude, d.check_nodes) == ("finished", [], ["node1"])
+    assert d.notes[0].startswith("node1: left no summary.json (its launcher or the node died)")
+
+
+def test_an_unneeded_spare_is_neither_a_failure_nor_the_node_that_finished(tmp_path):
+    spare = (0, False, [], "spare not needed: the job ended without it", [])
+    nodes = three_nodes(tmp_path, spare, (0, False, [], "", TRAINED), (0, False, [], "", TRAINED))
+    d = decide(tmp_path, 0, nodes, nnodes=3, partition_nodes=PARTITION)
+    assert (d.action, d.why, d.check_nodes) == (
+        "finished", "training finished (every launcher exited 0)", [])
+    # a failure elsewhere: requeued without blaming the spare
+    nodes = three_nodes(tmp_path, spare, (16, True, ["vm"], "exit 16", TRAINED),
+                        (143, True, [], "launcher received SIGTERM", TRAINED))
+    d = decide(tmp_path, 16, nodes, nnodes=2, partition_nodes=PARTITION)
+    assert (d.action, d.exit_code, d.exclude) == ("requeue", 16, ["node2"])
+    # only spares exited 0: nobody trained, so the job is not finished
+    nodes = three_nodes(tmp_path, spare, spare, spare)
+    assert decide(tmp_path, 0, nodes, nnodes=3, partition_nodes=PARTITION).action == "requeue"
+
+
+def test_a_node_that_stopped_the_job_wins_over_a_finished_launch(tmp_path):
+    nodes = three_nodes(tmp_path, (17, False, [], "exit 17 without a diagnosis", TRAINED),
+                        (0, False, [], "", TRAINED), (0, False, [], "", TRAINED))
+    d = decide(tmp_path, 0, nodes, nnodes=3, partition_nodes=PARTITION)
+    assert (d.action, d.exit_code) == ("stop", 17)
+
+
+def test_cli_reports_the_nodes_to_check_and_records_the_decision(tmp_path):
+    s1 = write_summary(tmp_path / "node1" / "summary.json", 1, True, ["vm"], SICK, workers=[])
+    s2 = write_summary(tmp_path / "node2" / "summary.json", 0, False, workers=TRAINED)
+    record = tmp_path / "verdicts.jsonl"
+    args = [sys.executable, str(SLURM_DIR / "next_action.py"), "--launcher-exit", "0",
+            "--summary", f"node1={s1}", "--summary", f"node2={s2}", "--nnodes", "2",
+            "--partition-nodes", "node1,node2,node3", "--record", str(record)]
+    for _ in range(2):
+        out = subprocess.run(args, capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "action=finished" and "check_nodes=node1" in lines
+    assert f"note=node1: {SICK}; it left the job and a spare took its place" in lines
+    verdicts = [json.loads(line) for line in record.read_text().splitlines()]
+    assert len(verdicts) == 2  # appended, one line per run of the wrapper
+    assert verdicts[0]["action"] == "finished" and verdicts[0]["check_nodes"] == ["node1"]
