@@ -5,9 +5,11 @@
 #   scripts/straggler_soak.sh [SECONDS] [RUN_DIR]
 #
 # Prints the launcher's straggler events, and replays every rank's logged compute times
-# through StragglerDetector with the default settings (threshold 1.3, window 20): the
-# transitions it would report and the highest score it saw. Exit 1 when either reports a
-# straggler. The training leaves the CPU idle 50 ms per step (as a data loader would), so
+# through StragglerDetector with the launcher's settings (threshold 1.3, window 20,
+# persistence 0.7, 5 warm-up steps): the transitions it would report and the highest score
+# it saw; then, for comparison, what the score alone (persist=0, the rule before issue 14's
+# persistence) would have reported. Exit 1 when the launcher or the replay with the
+# launcher's settings reports a straggler. The training leaves the CPU idle 50 ms per step (as a data loader would), so
 # the 2 cores are not pinned at 100 % for the whole run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -37,16 +39,26 @@ for path in sorted((run / "steps").glob("cycle_0_rank_*.txt")):
     rank = int(path.stem.rsplit("_", 1)[1])
     logs[rank] = [float(line.split()[2]) for line in path.read_text().splitlines()]
 steps = min(len(v) for v in logs.values())
-detector = StragglerDetector()
-replayed, scores = [], []
-for step in range(steps):
-    for rank, times in logs.items():
-        detector.observe(rank, "compute", times[step])
-    replayed += [(step, e) for e in detector.evaluate()]
-    scores += detector.scores().values()
+
+
+def replay(**settings):
+    detector = StragglerDetector(warmup_steps=5, **settings)
+    transitions, seen = [], []
+    for step in range(steps):
+        for rank, times in logs.items():
+            detector.observe(rank, "compute", times[step])
+        transitions += [(step, e) for e in detector.evaluate()]
+        seen += detector.scores().values()
+    return transitions, seen
+
+
+replayed, scores = replay()
 print(f"replay: {len(logs)} ranks x {steps} steps; transitions: {len(replayed)}")
 for step, e in replayed:
     print(f"   step {step}: {e.event} rank {e.rank} score {e.score:.2f}")
+median_only, _ = replay(persist=0)
+print(f"the score alone (persist=0) would report: "
+      f"{sum(e.event == 'straggler_detected' for _, e in median_only)}")
 if scores:
     ordered = sorted(scores)
     print(f"scores: median {statistics.median(ordered):.3f}, "
