@@ -18,7 +18,7 @@ import warnings
 from collections.abc import Collection, Mapping
 from typing import Any
 
-from ft_agent import nvrx_types, protocol, simulated_fault
+from ft_agent import nvrx_types, protocol, simulated_fault, stop_fence
 from ft_agent.device_time import DeviceTimer
 from ft_agent.nvrx_types import (
     CalculatedMarks,
@@ -77,6 +77,7 @@ class RankMonitorClient:
         self._device: DeviceTimer | None = None  # created by the first device section
         self.rank = int(os.environ.get("RANK", "0"))
         self.cycle = int(os.environ.get("FT_CYCLE", "0"))
+        self._stop_fence: stop_fence.StopFence | None = None  # FT_STOP_FENCE_S
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -148,6 +149,7 @@ class RankMonitorClient:
             self._set_timeouts(self._pending_state)
             self._pending_state = None
         _arm_simulated_exit(os.environ.get("FT_SIMULATED_FAULT", ""), self.send_report)
+        self._arm_stop_fence()
         log.debug("rank %d cycle %d: connected to %s", self.rank, self.cycle, endpoint)
 
     def shutdown_workload_monitoring(self) -> None:
@@ -435,8 +437,40 @@ class RankMonitorClient:
         except (OSError, ValueError, RuntimeError) as exc:
             log.warning("rank %d: cannot arm stack dumps: %s", self.rank, exc)
 
+    def _arm_stop_fence(self) -> None:
+        # After a long stop of its node, this rank asks whether its round is still current
+        # before it writes anything (see ft_agent.stop_fence); only where the launcher asks.
+        threshold = stop_fence.threshold_from_env(os.environ)
+        if threshold is not None and self._stop_fence is None:
+            fence = stop_fence.StopFence(threshold, self._ask_fence)
+            self._stop_fence = fence if fence.install() else None
+
+    def _ask_fence(self, stopped_s: float) -> tuple[bool | None, str]:
+        """The launcher's word after a stop: (True, "") current, (False, why) stale,
+        (None, why) no answer. Runs in the SIGCONT handler, on the main thread."""
+        if not self._enabled:
+            return True, "not monitored any more"
+        # The handler may have interrupted this very thread inside a request (holding the
+        # lock): then there is no safe way to ask, and the rank exits as if stale (at worst
+        # one restart of every node, never a stale write).
+        if not self._lock.acquire(timeout=2.0):
+            return None, "the agent's socket stayed busy"
+        try:
+            self._req += 1
+            req = self._req
+            self._send(protocol.encode(protocol.FENCE, req=req, stopped_s=round(stopped_s, 3)))
+            reply = self._wait_for({protocol.ACK}, req)
+        finally:
+            self._lock.release()
+        if reply is None:
+            return None, f"the launcher did not answer within {REQUEST_TIMEOUT_S:.0f} s"
+        return bool(reply["ok"]), reply.get("error") or ""
+
     def _close(self, linger_ms: int = 0) -> None:
         self._enabled = False
+        if self._stop_fence is not None:
+            self._stop_fence.close()
+            self._stop_fence = None
         if self._sock is not None:
             self._sock.close(linger=linger_ms)
             self._sock = None

@@ -31,6 +31,10 @@ Kinds (agent -> monitor unless noted):
 ``progress``       ``it``: the training finished step ``it``; ``ckpt``: true when a
                    checkpoint of step ``it`` was saved (and ``t``, as for hb)
 ``goodbye``        the rank stops monitoring
+``fence``          ``req``, ``stopped_s``: this rank was stopped that long (SIGSTOP of its
+                   node) and waits for the launcher's ``ack``: ``ok`` true when its
+                   rendezvous round is still current, false (``error``: why) when the
+                   node was dropped and the rank must exit before it writes anything
 =================  ==================================================================
 
 Decoding is total: any bytes are either a message whose every field was checked (type,
@@ -62,6 +66,7 @@ DIAGNOSIS = "diagnosis"
 REPORT = "report"
 PROGRESS = "progress"
 GOODBYE = "goodbye"
+FENCE = "fence"
 
 CONTROL_ACTIONS = ("continue", "exclude_node", "shutdown")
 CALCULATE_HB = "hb"
@@ -263,6 +268,7 @@ _SCHEMA: dict[str, dict[str, tuple[Validator, bool]]] = {
     REPORT: {"what": (_name, True), "message": (_text(MAX_TEXT_CHARS), True)},
     PROGRESS: {"it": (_ITERATION, True), "ckpt": (_boolean, True), "t": (_STAMP, False)},
     GOODBYE: {},
+    FENCE: {"req": (_REQ, True), "stopped_s": (_number(0.0, MAX_TIMEOUT_S), True)},
 }
 
 

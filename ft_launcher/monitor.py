@@ -86,6 +86,9 @@ class Monitor:
         self.unknown_sections: set[str] = set()
         self.diagnoses: list[dict[str, Any]] = []
         self._controls: list[tuple[int, str]] = []
+        # Answers a rank's stop fence: (rank, seconds stopped) -> (current, why). None: no
+        # rendezvous can drop this node, so every rank's round is current.
+        self.on_fence: Callable[[int, float], tuple[bool, str]] | None = None
         # Called with (rank, section, device seconds) when a close carries a device time.
         self.on_device_time: Callable[[int, str, float], Any] | None = None
         self._handlers: dict[str, Callable[[RankSlot, dict[str, Any], float], None]] = {
@@ -100,6 +103,7 @@ class Monitor:
             protocol.DIAGNOSIS: self._on_diagnosis,
             protocol.REPORT: self._on_report,
             protocol.GOODBYE: self._on_goodbye,
+            protocol.FENCE: self._on_fence,
         }
 
     # -- cycle lifecycle ---------------------------------------------------------------
@@ -310,6 +314,12 @@ class Monitor:
         slot.said_goodbye = True
         self.liveness.goodbye(slot.rank)
         self.events("rank_goodbye", rank=slot.rank)
+
+    def _on_fence(self, slot: RankSlot, msg: dict[str, Any], now: float) -> None:
+        current, why = (True, "") if self.on_fence is None else \
+            self.on_fence(slot.rank, msg["stopped_s"])
+        self._reply(slot, protocol.ACK, req=msg["req"], ok=bool(current),
+                    error=None if current else str(why)[:1000])
 
     def _agent_fault(self, slot: RankSlot, message: str) -> None:
         # A fault the rank inflicts on itself (the Lightning callback) is recorded like one

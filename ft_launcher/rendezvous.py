@@ -14,6 +14,11 @@ the round is full waits as a hot spare and says so through the ``events`` callba
 (``spare_waiting``, then ``spare_admitted``). A rendezvous service that cannot be reached
 any more raises ``RendezvousLost``; a rendezvous that the other nodes closed because the
 job is over raises ``RendezvousClosed``.
+
+A node that was stopped for a while (SIGSTOP, a partition, a hung kernel) may find on waking
+that the others dropped it: its keep-alive lapsed and the round went on without it.
+``poll_round`` (every watch pass) and ``standing`` (after a stall, and for a rank's stop
+fence) say so; the node then re-joins, as a hot spare when the round is full.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from ft_launcher.config import ConfigError
@@ -86,6 +91,24 @@ class RoundInfo:
 
 
 @dataclass(frozen=True)
+class RoundView:
+    """What one read of the shared state says about this node's round, while it trains."""
+
+    waiting: int = 0  # nodes waiting to join (a restart brings them in); spares not counted
+    lost: tuple[str, ...] = ()  # nodes of this round the others dropped (keep-alive lapsed)
+    dropped: str | None = None  # why this node itself is out of its round; None: it is in
+
+
+@dataclass(frozen=True)
+class Standing:
+    """Whether this node still belongs to the round it joined (read after a stall)."""
+
+    current: bool
+    reason: str = ""  # why not current, or why it could not be told
+    known: bool = True  # False: the rendezvous did not answer; judged from the stall alone
+
+
+@dataclass(frozen=True)
 class RendezvousTimings:
     """Timings of torch's dynamic rendezvous, chosen for fast failure detection.
 
@@ -112,6 +135,13 @@ class RendezvousTimings:
     def dead_after(self) -> float:
         """Seconds without a keep-alive after which the other nodes drop a node."""
         return self.keep_alive_interval * self.keep_alive_max_attempt
+
+    @property
+    def stop_fence_s(self) -> float:
+        """A stop of a node's processes this long may have cost it its place: its last
+        keep-alive can be up to two intervals old when the stop began. Shorter stops (the
+        rank_slow throttle stops a rank for milliseconds) cannot, and are not questioned."""
+        return max(self.keep_alive_interval, self.dead_after - 2 * self.keep_alive_interval)
 
     @classmethod
     def from_conf(cls, conf: dict[str, str]) -> tuple[RendezvousTimings, dict[str, str]]:
@@ -222,6 +252,18 @@ class StaticRendezvous:
 
     def num_nodes_waiting(self) -> int:
         return 0
+
+    # Fixed ranks: no node is ever dropped, so no rank needs a stop fence.
+    stop_fence_s: float | None = None
+
+    def poll_round(self) -> RoundView:
+        return RoundView()
+
+    def standing(self, stalled_s: float) -> Standing:
+        return Standing(True)
+
+    def mark_dropped(self) -> None:
+        pass
 
     def exit_barrier(self, wait: bool, timeout: float = 300.0) -> None:
         pass
@@ -374,6 +416,29 @@ def _unreachable_types() -> tuple[type[BaseException], ...]:
     return tuple(types)
 
 
+def out_of_round(state: Any, node: Any, round_no: int | None, dead_after: float,
+                 margin_s: float = 0.0, now: datetime | None = None) -> str | None:
+    """Pure: why ``node`` no longer belongs to round ``round_no`` of torch's rendezvous
+    ``state`` (closed, the round moved on, the node dropped; with ``margin_s``, its last
+    keep-alive less than that from the expiry ``dead_after``), or None when it does."""
+    if round_no is None:
+        return None
+    if state.closed:
+        return "the rendezvous was closed"
+    if state.round != round_no:
+        return f"round {round_no} is over: the others moved on to round {state.round}"
+    if node not in state.participants:
+        return (f"dropped from round {round_no}: its keep-alive lapsed (none for "
+                f"{dead_after:g} s)")
+    last = state.last_heartbeats.get(node)
+    if margin_s > 0 and last is not None:
+        age = ((now or datetime.now(timezone.utc)) - last).total_seconds()
+        if age > dead_after - margin_s:
+            return (f"its last keep-alive is {age:.1f} s old: the others drop it at "
+                    f"{dead_after:g} s")
+    return None
+
+
 class DynamicRendezvous:
     """torch's dynamic rendezvous over c10d or etcd-v2, with fast timings, hot-spare events,
     and distinct errors for a lost service and a closed job.
@@ -420,6 +485,9 @@ class DynamicRendezvous:
         self._in_round = False
         self._spare_since: float | None = None
         self._round: tuple[Any, int] | None = None  # (store, group world size)
+        self._round_no: int | None = None  # the round this node joined last
+        self._members: frozenset[Any] = frozenset()  # that round's participants
+        self._was_dropped = False  # dropped from a round: a closed job then ends it cleanly
         self.local_addr = reachable_address(endpoint.split(",")[0].strip("[]"))
         install_poll_interval(self.timings.poll_interval)
         self._unreachable = _unreachable_types()
@@ -477,6 +545,12 @@ class DynamicRendezvous:
                        max_nodes=self.max_nodes)
 
     @property
+    def stop_fence_s(self) -> float:
+        """Set in the workers' environment (``FT_STOP_FENCE_S``): after a stop this long a
+        rank asks its launcher whether its round is still current before going on."""
+        return self.timings.stop_fence_s
+
+    @property
     def waiting_as_spare(self) -> bool:
         """True while next_round() waits with this node on the redundancy list."""
         return self._in_round and self._spare_since is not None
@@ -489,10 +563,14 @@ class DynamicRendezvous:
         from torch.distributed.elastic.rendezvous import api
 
         if isinstance(exc, api.RendezvousGracefulExitError | api.RendezvousClosedError):
-            spare = self._spare_since is not None
+            # A node dropped from its round (stopped for a while) that finds the job over
+            # was not needed again: it ends like a spare, not as a failure.
+            spare = self._spare_since is not None or self._was_dropped
+            why = ("; this node was dropped from its round and not needed again"
+                   if self._was_dropped else "; this spare was not needed" if spare else "")
             return RendezvousClosed(
                 f"the rendezvous at {self.endpoint} was closed by the other nodes (the job "
-                f"is over){'; this spare was not needed' if spare else ''}", was_spare=spare)
+                f"is over){why}", was_spare=spare)
         if isinstance(exc, self._unreachable):
             now = time.monotonic()
             if self._unreachable_since is None:
@@ -542,7 +620,10 @@ class DynamicRendezvous:
         """Group rank 0 picks the workers' master address; the others read it."""
         store = info.store  # prefixed per round by torch: no stale keys from a past round
         self._round = (store, info.world_size)
-        round_no = self.handler._state_holder.state.round
+        state = self.handler._state_holder.state
+        round_no = self._round_no = state.round
+        self._members = frozenset(state.participants)
+        self._was_dropped = False
         if info.rank == 0:
             port = self.fixed_port or free_port("0.0.0.0")
             store.set(self.MASTER_KEY, f"{self.local_addr}:{port}")
@@ -566,6 +647,59 @@ class DynamicRendezvous:
             return 0
         self._unreachable_since = None
         return waiting
+
+    def poll_round(self) -> RoundView:
+        """One read of the shared state while the workers run: nodes waiting to join, nodes
+        of this round that were dropped, and whether this node itself was. Raises
+        RendezvousLost once the service has been unreachable past the grace."""
+        try:
+            state = self._read_state()
+        except self._torch_errors() as exc:
+            error = self._failed(exc, "poll")
+            if isinstance(error, RendezvousLost):
+                raise error from None
+            if error is not None:
+                log.warning("rendezvous: cannot read the round's state: %s", error)
+            return RoundView()
+        self._unreachable_since = None
+        dropped = out_of_round(state, self._node, self._round_no, self.timings.dead_after)
+        lost = () if dropped or state.round != self._round_no else tuple(
+            sorted(str(n) for n in self._members - set(state.participants)))
+        return RoundView(len(state.wait_list), lost, dropped)
+
+    def standing(self, stalled_s: float) -> Standing:
+        """Whether this node is still in the round it joined, after it was not running for
+        ``stalled_s`` (a stopped launcher, or a rank's stop fence). Read from the shared
+        state now, with a keep-alive interval of margin: a node whose last keep-alive is
+        about to lapse is told it is out (its workers stop; everyone restarts once), never
+        "current" a moment before the others drop it. When the service does not answer,
+        a stall of the keep-alive expiry or more means the node is out."""
+        if self._round_no is None:
+            return Standing(True)
+        try:
+            state = self._read_state()
+        except self._torch_errors() as exc:
+            lapsed = stalled_s >= self.timings.dead_after
+            return Standing(not lapsed, f"the rendezvous did not answer ({type(exc).__name__})"
+                            + (f"; stopped {stalled_s:.1f} s, past the keep-alive expiry "
+                               f"{self.timings.dead_after:g} s" if lapsed else ""), known=False)
+        why = out_of_round(state, self._node, self._round_no, self.timings.dead_after,
+                           margin_s=self.timings.keep_alive_interval)
+        return Standing(why is None, why or "")
+
+    def mark_dropped(self) -> None:
+        """This node left its round because the others dropped it (the supervisor stopped
+        its workers); if the job ends before it is needed again, it ends as a spare."""
+        self._was_dropped = True
+
+    def _read_state(self) -> Any:
+        """The shared state, read now (torch's cached view, at most ``poll_interval`` old).
+        torch drops nodes whose keep-alive lapsed from every state it reads, this node
+        included: a node that was stopped past the expiry never finds itself in it again."""
+        h = self.handler
+        with h._heartbeat_lock:
+            h._state_holder.sync()
+            return h._state_holder.state
 
     def exit_barrier(self, wait: bool, timeout: float = 300.0) -> None:
         """Say this node is leaving; with ``wait``, also wait until every node of the round

@@ -145,6 +145,11 @@ class Supervisor:
         self.stragglers: StragglerDetector | None = None  # per cycle
         self.straggler_exchange: straggler_exchange.Exchange | None = None  # per cycle
         self.throttle: Throttle | None = None  # a rank_slow fault in progress
+        # A node stopped past its keep-alive is dropped by the others: the round it joined,
+        # and why a rank's stop fence found it out of that round (reason, seconds stopped).
+        self._round_no = 0
+        self._fenced_out: tuple[str, float] | None = None
+        self.monitor.on_fence = self._answer_fence
 
     # -- setup -------------------------------------------------------------------------
 
@@ -282,8 +287,9 @@ class Supervisor:
                                was_spare=exc.was_spare)
         finally:
             self._blocking = False
+        self._round_no, self._fenced_out = rnd.round, None
         world = rnd.group_world_size * self.cfg.nproc_per_node
-        self.event("rendezvous_done", group_rank=rnd.group_rank,
+        self.event("rendezvous_done", group_rank=rnd.group_rank, round=rnd.round,
                    group_world_size=rnd.group_world_size, world_size=world,
                    master_addr=rnd.master_addr, master_port=rnd.master_port)
         armed = None
@@ -404,12 +410,21 @@ class Supervisor:
             if traces:
                 nccl_trace.trace_dir(self.rundir.private)
                 env.update(traces)
+            env.update(self._rendezvous_env(rnd))
             echo = cfg.redirects.get(local_rank, 0) == 0 or cfg.tee.get(local_rank, 0) != 0
             if cfg.local_ranks_filter is not None and local_rank not in cfg.local_ranks_filter:
                 echo = False
             specs.append(WorkerSpec(local_rank, rank, cfg.entrypoint + cfg.script_args, env,
                                     self.rundir.rank_log(self.cycle, rank), echo))
         return specs
+
+    def _rendezvous_env(self, rnd: RoundInfo) -> dict[str, str]:
+        """Where a node can be dropped (dynamic rendezvous): the stop a rank asks about
+        before going on (FT_STOP_FENCE_S, see ft_agent.stop_fence) and its round."""
+        fence_s = self.rdzv.stop_fence_s
+        if fence_s is None:
+            return {}
+        return {"FT_STOP_FENCE_S": f"{fence_s:g}", "FT_RDZV_ROUND": str(rnd.round)}
 
     def _watch(self, group: WorkerGroup, armed: faults.ArmedFault | None) -> CycleResult:
         """Sleep until something happens, then check in a fixed order what ended the cycle."""
@@ -445,11 +460,19 @@ class Supervisor:
             poller.poll(timeout * 1000)
             now = time.monotonic()
             if self.monitor.woke(planned, now):
+                # First of all: stopped this long, the node may have been dropped, and then
+                # its workers must not run on (and write) a moment longer.
+                dropped = self._out_after_stall(group, now - planned)
                 self.event("launcher_stalled", late_s=round(now - planned, 3), cause="paused")
+                if dropped is not None:
+                    return self._dropped(dropped, now - planned)
             self._drain_wakeups()
             # Read what is queued before judging anyone: a rank's own heartbeats may wait
             # behind a burst, or behind the launcher's stall.
             read, empty = self.monitor.drain(now)
+            if self._fenced_out is not None:  # a rank's stop fence found this node out
+                group.kill_all()
+                return self._dropped(*self._fenced_out)
             if read and self.monitor.all_connected():
                 batch_until = now + MESSAGE_BATCH_S
             if empty and queued_since is not None and \
@@ -479,12 +502,47 @@ class Supervisor:
             if time.monotonic() >= next_peer_check:
                 next_peer_check = time.monotonic() + interval
                 try:
-                    waiting = self.rdzv.num_nodes_waiting()
+                    view = self.rdzv.poll_round()
                 except RendezvousLost as exc:
                     return CycleResult(self.cycle, Outcome.RENDEZVOUS_LOST, reason=str(exc))
-                if waiting > 0:
-                    self.event("peers_waiting")
+                if view.dropped is not None:  # stopped inside this pass, or too slow to
+                    group.kill_all()  # keep alive: stale workers stop before they write
+                    return self._dropped(view.dropped, time.monotonic() - now)
+                if view.waiting > 0 or view.lost:
+                    # lost: a node of this round stopped keeping alive (dead or frozen); its
+                    # ranks are gone from the collectives, so the round re-forms without it.
+                    self.event("peers_waiting", waiting=view.waiting, lost=list(view.lost))
                     return CycleResult(self.cycle, Outcome.PEER_CHANGED)
+
+    # -- a node dropped while it was stopped --------------------------------------------
+
+    def _out_after_stall(self, group: WorkerGroup, stalled_s: float) -> str | None:
+        """After the launcher did not run for ``stalled_s``: why this node is out of its
+        round (its workers are SIGKILLed at once, before they can write a checkpoint or a
+        progress file: a script without ft_agent has no stop fence), or None."""
+        standing = self.rdzv.standing(stalled_s)
+        if standing.current:
+            return None
+        group.kill_all()
+        return standing.reason
+
+    def _answer_fence(self, rank: int, stopped_s: float) -> tuple[bool, str]:
+        """A rank was stopped ``stopped_s`` and asks whether its round is still current."""
+        standing = self.rdzv.standing(stopped_s)
+        self.event("stop_fence", rank=rank, stopped_s=round(stopped_s, 3),
+                   current=standing.current, reason=standing.reason)
+        if not standing.current and self._fenced_out is None:
+            self._fenced_out = (standing.reason, stopped_s)
+        return standing.current, standing.reason
+
+    def _dropped(self, reason: str, frozen_s: float) -> CycleResult:
+        """The others went on without this node: its workers are stopped already; it
+        re-joins the rendezvous, as a hot spare when the round is full, or ends with the
+        job (``RendezvousClosed``)."""
+        self.rdzv.mark_dropped()
+        self.event("node_dropped", round=self._round_no, reason=reason,
+                   frozen_s=round(max(0.0, frozen_s), 3), next="rejoin")
+        return CycleResult(self.cycle, Outcome.PEER_CHANGED, reason=f"node dropped: {reason}")
 
     def _check_signals(self, group: WorkerGroup) -> CycleResult | None:
         for signum in self._take_signals():

@@ -86,6 +86,7 @@ class Nodes:
     common: list[str]
     env: dict[str, str] = field(default_factory=dict)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    frozen: list[psutil.Process] = field(default_factory=list)
 
     @property
     def out(self) -> Path:
@@ -134,7 +135,34 @@ class Nodes:
     def first_step(self, pred) -> dict | None:
         return next((s for s in self.steps() if pred(s)), None)
 
+    def tree(self, name: str) -> tuple[psutil.Process, list[psutil.Process]]:
+        """A launcher and every process below it (its workers and theirs)."""
+        launcher = psutil.Process(self.procs[name].pid)
+        return launcher, launcher.children(recursive=True)
+
+    def freeze(self, name: str) -> list[psutil.Process]:
+        """SIGSTOP a launcher and all its descendants (a frozen node); returns them, to
+        thaw. The launcher first, so it sees nothing of its workers stopping."""
+        launcher, below = self.tree(name)
+        frozen = []
+        for p in [launcher, *below]:
+            try:
+                p.suspend()
+                frozen.append(p)
+            except psutil.NoSuchProcess:
+                pass
+        self.frozen.extend(frozen)
+        return frozen
+
+    def thaw(self, procs: list[psutil.Process]) -> None:
+        for p in procs:
+            try:
+                p.resume()
+            except psutil.NoSuchProcess:
+                pass
+
     def close(self) -> None:
+        self.thaw(self.frozen)  # a failed test may leave a node frozen
         for proc in self.procs.values():
             stop_pid(proc.pid)
             proc.wait(10)
