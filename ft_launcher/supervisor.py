@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import secrets
 import shutil
 import signal
@@ -26,7 +25,7 @@ import zmq
 
 from ft_launcher import blame, faults, nccl_trace, policy, stacks, straggler_exchange
 from ft_launcher.config import LaunchConfig
-from ft_launcher.health import run_health_checks
+from ft_launcher.health import count_gpus, run_health_checks
 from ft_launcher.ledger import Ledger
 from ft_launcher.liveness import HangVerdict
 from ft_launcher.metrics import MetricsExporter
@@ -74,22 +73,6 @@ class _Interrupted(Exception):
     def __init__(self, signum: int) -> None:
         super().__init__(signum)
         self.signum = signum
-
-
-def count_gpus() -> int:
-    """GPUs visible on this node, without importing torch."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
-    try:
-        return len(os.listdir("/proc/driver/nvidia/gpus"))
-    except OSError:
-        pass
-    # Containers may hide /proc/driver/nvidia but still pass the device files in.
-    try:
-        return len([n for n in os.listdir("/dev") if re.fullmatch(r"nvidia\d+", n)])
-    except OSError:
-        return 0
 
 
 class Supervisor:
