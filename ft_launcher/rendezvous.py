@@ -551,6 +551,11 @@ class DynamicRendezvous:
         return self.timings.stop_fence_s
 
     @property
+    def round_store(self) -> Any | None:
+        """The store of the current round (torch prefixes it per round), None before one."""
+        return self._round[0] if self._round is not None else None
+
+    @property
     def waiting_as_spare(self) -> bool:
         """True while next_round() waits with this node on the redundancy list."""
         return self._in_round and self._spare_since is not None

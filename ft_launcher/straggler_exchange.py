@@ -156,7 +156,7 @@ def for_round(rdzv: Any, group_rank: int, nodes: int, host: str) -> Exchange | N
     so no publication of a previous round is ever read."""
     if nodes < 2:
         return None
-    held = getattr(rdzv, "_round", None)  # DynamicRendezvous: (store, nodes) of the round
-    if not isinstance(held, tuple) or not held:
+    store = getattr(rdzv, "round_store", None)  # StaticRendezvous has no shared store
+    if store is None:
         return None
-    return Exchange(held[0], group_rank, nodes, host)
+    return Exchange(store, group_rank, nodes, host)

@@ -155,7 +155,7 @@ def test_the_detector_on_node_b_names_its_rank_against_node_a(store):
 
 def test_no_exchange_for_one_node_or_a_static_rendezvous(store):
     class Dynamic:
-        _round = (store, 2)
+        round_store = store
 
     assert for_round(Dynamic(), 0, 1, "h") is None
     assert for_round(object(), 0, 2, "h") is None
