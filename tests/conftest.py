@@ -52,7 +52,25 @@ SLOW_TESTS = {
 }
 
 
+# The suite runs on two pytest-xdist workers (`-n 2` in pyproject.toml): most end-to-end
+# cases wait on timeouts rather than compute. Tests that share something costly or global
+# stay on one worker: a module-scoped fixture's module, and every Slurm case (one cluster per
+# session, on fixed ports).
+SHARED_FIXTURE_MODULES = {"test_bench_smoke.py", "test_megatron_loop.py", "test_gpu_launcher.py"}
+
+
+def _xdist_group(item: pytest.Item) -> str | None:
+    if item.path.parent.name == "slurm":
+        return "slurm"
+    if item.path.name in SHARED_FIXTURE_MODULES:
+        return item.path.name
+    return None
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.path.name in SLOW_MODULES or item.originalname in SLOW_TESTS:
             item.add_marker(pytest.mark.slow)
+        group = _xdist_group(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
