@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import compileall
 import signal
 import time
 from pathlib import Path
@@ -9,6 +10,17 @@ from pathlib import Path
 import psutil
 import pytest
 from launch_helpers import processes_of
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Compile the project to bytecode once (the controller only, before the xdist workers
+    start): the hundreds of launchers and workers the tests start import it from source, and
+    with PYTHONDONTWRITEBYTECODE set (as on many CI images) each would compile it again."""
+    if not hasattr(session.config, "workerinput"):
+        for package in ("ft_launcher", "ft_agent", "rerun"):
+            compileall.compile_dir(ROOT / package, quiet=1)
 
 
 @pytest.fixture

@@ -21,6 +21,7 @@ ended by pid; everything talks over loopback.
 from __future__ import annotations
 
 import argparse
+import compileall
 import dataclasses
 import importlib.metadata
 import json
@@ -334,6 +335,15 @@ def _interrupt(signum: int, _frame: Any) -> None:
     raise Interrupted(signal.Signals(signum).name)
 
 
+def compile_ours() -> None:
+    """Compile ours to bytecode once, as pip does for an installed package (torchrun's and
+    NVRx's are): an editable checkout run with PYTHONDONTWRITEBYTECODE set would otherwise
+    compile every module again at each launcher and worker start."""
+    repo = Path(__file__).resolve().parents[2]
+    for package in ("ft_launcher", "ft_agent", "rerun"):
+        compileall.compile_dir(repo / package, quiet=1)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # Set explicitly: a driver started in the background inherits SIGINT ignored, and the
@@ -356,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         settings.repeat = args.repeat
 
     machine = machine_info()
+    compile_ours()
     lnch = Launchers.default()
     if "nvrx" in launchers:
         try:
