@@ -264,4 +264,4 @@ def test_the_default_threshold_names_a_2x_rank_of_2_and_nothing_else(run_dir: Pa
     first = detected[0]
     assert first["window"] == 20 and first["score"] > 1.3 and first["ts"] > onset
     taken = steps_after(out, 1, onset, first["ts"])
-    assert taken <= 30, f"detected {taken} steps after the onset"
+    assert taken <= STEPS_BOUND, f"detected {taken} steps after the onset"
