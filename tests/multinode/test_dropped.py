@@ -6,7 +6,6 @@ The whole scenario (a frozen node's launcher and workers, a spare) is test_froze
 
 from __future__ import annotations
 
-import threading
 import time
 from datetime import datetime, timedelta, timezone
 from types import SimpleNamespace
@@ -15,7 +14,7 @@ import pytest
 
 from ft_launcher.rendezvous import DynamicRendezvous, RendezvousClosed, out_of_round
 
-from .conftest import free_ports
+from .conftest import free_ports, in_thread
 
 NOW = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
 
@@ -42,28 +41,14 @@ def test_after_a_stall_a_keep_alive_close_to_the_expiry_counts_as_out():
     assert out_of_round(_state(ages={"b": 1.4}), "b", 3, 2.0, margin_s=0.5, now=NOW) is None
 
 
-def _in_thread(fn):
-    box: dict = {}
-
-    def run() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as exc:  # handed to the test thread
-            box["error"] = exc
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t, box
-
-
 @pytest.mark.timeout(120)
 def test_a_node_that_stops_keeping_alive_is_seen_lost_and_finds_itself_out():
     port = free_ports(1)[0]
     a = DynamicRendezvous(f"127.0.0.1:{port}", "dropped", 2, 2, {}, None)  # hosts the store
     b = DynamicRendezvous(f"127.0.0.1:{port}", "dropped", 2, 2, {}, None)
     try:
-        ta, box_a = _in_thread(a.next_round)
-        tb, box_b = _in_thread(b.next_round)
+        ta, box_a = in_thread(a.next_round)
+        tb, box_b = in_thread(b.next_round)
         ta.join(60)
         tb.join(60)
         assert "value" in box_a and "value" in box_b, (box_a, box_b)

@@ -4,7 +4,6 @@ hot-spare events, and a lost c10d store (real TCPStores and torch handlers, no l
 from __future__ import annotations
 
 import gc
-import threading
 import time
 from datetime import timedelta
 
@@ -20,7 +19,7 @@ from ft_launcher.rendezvous import (
     parse_endpoints,
 )
 
-from .conftest import free_ports
+from .conftest import free_ports, in_thread
 
 
 def test_default_timings_detect_a_dead_node_fast():
@@ -120,20 +119,6 @@ class _Recorder:
         return [n for n, _ in self.events]
 
 
-def _in_thread(fn):
-    box: dict = {}
-
-    def run() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as exc:  # handed to the test thread
-            box["error"] = exc
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t, box
-
-
 def test_a_node_that_finds_the_round_full_waits_as_a_spare_and_is_admitted():
     port = free_ports(1)[0]
     a = _rdzv(port, "spare")
@@ -141,7 +126,7 @@ def test_a_node_that_finds_the_round_full_waits_as_a_spare_and_is_admitted():
     b = _rdzv(port, "spare", events=rec)
     try:
         assert a.next_round().group_world_size == 1
-        thread, box = _in_thread(b.next_round)
+        thread, box = in_thread(b.next_round)
         deadline = time.monotonic() + 10
         while "spare_waiting" not in rec.names() and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -170,7 +155,7 @@ def test_a_spare_that_was_never_needed_learns_that_the_job_is_over():
     b = _rdzv(port, "over", events=rec)
     try:
         a.next_round()
-        thread, box = _in_thread(b.next_round)
+        thread, box = in_thread(b.next_round)
         deadline = time.monotonic() + 10
         while "spare_waiting" not in rec.names() and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -234,7 +219,7 @@ def test_an_interrupt_while_waiting_as_a_spare_gets_through():
             b.next_round()
         assert seen == ["spare_waiting"]
         b.events = broken
-        thread, box = _in_thread(b.next_round)
+        thread, box = in_thread(b.next_round)
         time.sleep(1.0)
         assert thread.is_alive() and b.waiting_as_spare  # still waiting, error logged
         a.shutdown(close=False)
