@@ -641,17 +641,7 @@ class DynamicRendezvous:
     def num_nodes_waiting(self) -> int:
         """Nodes waiting to join (a restart brings them in); spares are not counted.
         Raises RendezvousLost once the service has been unreachable past the grace."""
-        try:
-            waiting = self.handler.num_nodes_waiting()
-        except self._torch_errors() as exc:
-            error = self._failed(exc, "poll")
-            if isinstance(error, RendezvousLost):
-                raise error from None
-            if error is not None:
-                log.warning("rendezvous: cannot read waiting nodes: %s", error)
-            return 0
-        self._unreachable_since = None
-        return waiting
+        return self.poll_round().waiting
 
     def poll_round(self) -> RoundView:
         """One read of the shared state while the workers run: nodes waiting to join, nodes
