@@ -135,11 +135,14 @@ FT_OPTIONS = [
     ("--ft-warm-restart/--no-ft-warm-restart", "warm_restart",
      "Keep standby workers with imports done, forked from a zygote."),
     ("--ft-preload", "preload", "Modules standby workers import [torch]."),
+    ("--ft-agent-store/--no-ft-agent-store", "agent_store",
+     "One node: host each cycle's TCPStore in a process listening before the workers "
+     "start, so no rank waits out the store client's retry back-off [on]."),
     ("--ft-straggler-threshold", "straggler_threshold",
      "A rank whose median section time is this many times the other ranks' is a "
      "straggler (> 1) [1.3]."),
     ("--ft-straggler-window", "straggler_window",
-     "Steps behind each median; nothing is decided on fewer [20]."),
+     "Steps behind each median; nothing is decided on fewer [12]."),
     ("--ft-straggler-section", "straggler_section",
      "Section timed for stragglers: around compute, outside collectives [compute]."),
     ("--ft-straggler-action", "straggler_action",
@@ -164,7 +167,8 @@ FT_OPTIONS = [
 ]
 
 
-FLAG_KEYS = {"skip_bad_iterations", "warm_restart", "learned_timeouts_override"}
+FLAG_KEYS = {"skip_bad_iterations", "warm_restart", "agent_store",
+             "learned_timeouts_override"}
 MULTIPLE_KEYS = {"health_checks"}
 # NVRx's settings of the same name and meaning: their NVRx spellings are accepted too.
 NVRX_KEYS = (*agent_config.BASE_PARSERS, "max_no_progress_cycles", "checkpoint_iteration_file")

@@ -45,11 +45,14 @@ class FaultToleranceConfig(agent_config.FaultToleranceConfig):
     checkpoint_iteration_file: str | None = None
     warm_restart: bool = False
     preload: list[str] = field(default_factory=lambda: ["torch"])
+    # Single node: each cycle's TCPStore is hosted by a process that listens before the
+    # workers start (TORCHELASTIC_USE_AGENT_STORE=True), even without warm restart.
+    agent_store: bool = True
     # Stragglers (ft_launcher/straggler.py): score = a rank's median time in this section
     # over the other ranks' medians, each over the last `window` steps.
     straggler_threshold: float = 1.3
     straggler_action: str = "report"  # report | restart | exclude
-    straggler_window: int = 20
+    straggler_window: int = 12
     straggler_section: str = "compute"
     metrics_port: int | None = None  # Prometheus metrics (ft_launcher.metrics); None = off
     metrics_addr: str = "127.0.0.1"
@@ -163,6 +166,7 @@ FT_PARSERS: dict[str, Parser] = {
     "max_no_progress_cycles": _parse_optional_int,
     "checkpoint_iteration_file": _parse_optional_str,
     "warm_restart": _parse_bool,
+    "agent_store": _parse_bool,
     "preload": _parse_list,
     "straggler_threshold": _parse_straggler_threshold,
     "straggler_action": _parse_straggler_action,

@@ -17,9 +17,17 @@ median 1.5-1.7x the other's for up to ~30 steps. So a rank is reported only when
 its excess is *persistent* within the window: at least ``persist`` (0.7) of its last
 ``window`` steps took more than ``threshold`` times the same step's median of the other local
 ranks (the per-step ratio: every rank of a synchronous step shares that step's machine-wide
-noise, which cancels). Both must hold for ``confirm_steps`` of its own steps in a row; it is
-cleared when its score stays below ``clear_threshold`` (lower: hysteresis) as long. No score
-exists before a rank has ``window`` section times, so nothing is ever decided on fewer.
+noise, which cancels). And a rank must be slow against the others' *usual* times: its
+recent median must also exceed ``threshold`` times the others' medians over a longer horizon
+(``baseline_steps``, ten windows), and exceed its own usual as much (its times before the
+current window: it got slower), unless it has been that slow for half the horizon (slow from
+its first step: reported after 5 windows).
+With two ranks the score cannot tell a slow rank from a peer that got faster: measured on 2
+cores, one rank's sections ran 1.7x faster than usual for ~40 steps with nothing slowed, and
+score and per-step ratio alike named the other, unchanged rank; against the usual times it
+is not slow. All must hold for ``confirm_steps`` of its own steps in a row; it is cleared
+when its score stays below ``clear_threshold`` (lower: hysteresis) as long. No score exists
+before a rank has ``window`` section times, so nothing is ever decided on fewer.
 
 Device time: when every local rank reports the GPU time of the section (``observe_device``,
 from ``client.section(..., device=True)``), those times are scored instead of wall times
@@ -120,10 +128,11 @@ class StragglerDetector:
     ``remote_ttl_s``: a remote median older than this is ignored. ``now``: the clock.
     ``warmup_steps``: a rank's first section times, ignored. ``persist``: the fraction of
     a window's steps that must exceed ``threshold`` (per-step ratio) for a report.
+    ``baseline_steps``: the longer horizon of the others' usual times (default ten windows).
     """
 
     threshold: float = 1.3
-    window: int = 20
+    window: int = 12
     section: str = "compute"
     now: Callable[[], float] = time.monotonic
     host: str = ""
@@ -137,6 +146,7 @@ class StragglerDetector:
     # Persistence within the window (see the module docstring): 0.7 kept every clean run
     # measured on 2 loaded cores quieter than 0.5 did, and a 2x rank still passes it.
     persist: float = 0.7
+    baseline_steps: int | None = None
     _tracks: dict[int, _Track] = field(default_factory=dict, init=False, repr=False)
     _warmup: dict[int, int] = field(default_factory=dict, init=False, repr=False)
     _remote: dict[int, _Remote] = field(default_factory=dict, init=False, repr=False)
@@ -158,6 +168,10 @@ class StragglerDetector:
                              f"{self.clear_threshold!r}")
         if not (isinstance(self.persist, (int, float)) and 0 <= self.persist <= 1):
             raise ValueError(f"persist must be a fraction in [0, 1], got {self.persist!r}")
+        if self.baseline_steps is None:
+            self.baseline_steps = 10 * self.window
+        if self.baseline_steps < self.window:
+            raise ValueError(f"baseline_steps must be >= window, got {self.baseline_steps!r}")
 
     # -- input -------------------------------------------------------------------------
 
@@ -193,10 +207,12 @@ class StragglerDetector:
     def _track(self, rank: int, host: str | None) -> _Track:
         track = self._tracks.get(rank)
         if track is None:
-            # Twice the window: a peer a few steps behind still has the same steps held.
+            # The baseline horizon, and at least twice the window: a peer a few steps behind
+            # still has the same steps held.
+            held = max(2 * self.window, self.baseline_steps)  # type: ignore[type-var]
             track = self._tracks[rank] = _Track(host or self.host,
-                                                _Series(deque(maxlen=2 * self.window)),
-                                                _Series(deque(maxlen=2 * self.window)))
+                                                _Series(deque(maxlen=held)),
+                                                _Series(deque(maxlen=held)))
         return track
 
     def observe_remote(self, rank: int, host: str, median_s: float, clock: str = "wall"
@@ -237,11 +253,16 @@ class StragglerDetector:
                 out[rank] = statistics.median(series.last(self.window))
         return out
 
-    def medians(self, clock: str | None = None) -> dict[int, float]:
+    def medians(self, clock: str | None = None, steps: int | None = None
+                ) -> dict[int, float]:
         """Recent medians of every rank that counts: local with a full window, fresh remote
-        of the same clock."""
+        of the same clock. ``steps``: the local medians' horizon (default the window; a
+        remote median is always its node's recent one)."""
         clock = clock or self.active_clock()
         local = self.local_medians(clock)
+        if steps is not None:
+            local = {rank: statistics.median(self._series(self._tracks[rank], clock)
+                                             .last(steps)) for rank in local}
         horizon = self.now() - self.remote_ttl_s
         remote = {rank: r.median_s for rank, r in self._remote.items()
                   if r.seen_at >= horizon and rank not in self._tracks and r.clock == clock}
@@ -268,6 +289,19 @@ class StragglerDetector:
                 above += 1
         return above / self.window
 
+    def _slowed(self, rank: int, recent_s: float, own_long_s: float, others_usual_s: float,
+                clock: str) -> bool:
+        """Whether the rank got slower than its own usual (its times before the current
+        window, within the horizon), or has been slower than the others' usual for half the
+        horizon at least (slow from its first step: no faster past of its own)."""
+        held = self._series(self._tracks[rank], clock).last(self.baseline_steps)
+        older = held[:-self.window]
+        if len(older) >= max(3, self.window // 2) and \
+                recent_s > self.threshold * statistics.median(older):
+            return True
+        return 2 * len(held) >= self.baseline_steps and \
+            own_long_s > self.threshold * others_usual_s  # type: ignore[operator]
+
     def scores(self) -> dict[int, float]:
         """Current score of every rank that counts (empty with fewer than two)."""
         return scores(self.medians())
@@ -282,6 +316,8 @@ class StragglerDetector:
         medians = self.medians(clock)
         ranked = scores(medians)
         reference = _leave_one_out_medians(medians)
+        long = self.medians(clock, self.baseline_steps)
+        usual = _leave_one_out_medians(long)
         out = []
         for rank in sorted(self._tracks):
             track = self._tracks[rank]
@@ -291,8 +327,10 @@ class StragglerDetector:
             if track.flagged:
                 across = score < self.clear_threshold
             else:
-                across = score > self.threshold and \
-                    (self.persistence(rank, reference[rank], clock) or 0.0) >= self.persist
+                across = score > self.threshold \
+                    and medians[rank] > self.threshold * usual[rank] \
+                    and self._slowed(rank, medians[rank], long[rank], usual[rank], clock) \
+                    and (self.persistence(rank, reference[rank], clock) or 0.0) >= self.persist
             if not across:
                 track.crossed_at = None
                 continue

@@ -36,6 +36,9 @@ log = logging.getLogger("ft_launcher")
 DEFAULT_PERIOD_S = 0.05
 MIN_PERIOD_S = 0.002  # below this the signals themselves become the workload
 SHARE_REFRESH_S = 0.25  # how often the peers' CPU share is re-read
+# The first read comes sooner: until then the budget assumes a whole CPU, which on a loaded
+# machine lets the victim run at full speed (measured: its first ~5 steps of 35 ms).
+FIRST_SHARE_S = 0.05
 MIN_RUNNABLE_FRACTION = 0.05  # a peer runnable less than this of the time says nothing
 # Budget banked while the process waits for a CPU after being resumed (a loaded machine
 # makes it wait); with less, the wait's budget would be lost and it would run slower.
@@ -232,7 +235,8 @@ class _PeerShare:
         self._measured = False
 
     def update(self, now: float) -> float:
-        if self._at is not None and now - self._at < SHARE_REFRESH_S:
+        every = SHARE_REFRESH_S if self._measured else FIRST_SHARE_S
+        if self._at is not None and now - self._at < every:
             return self.share
         elapsed, self._at = (now - self._at if self._at is not None else 0.0), now
         shares = []

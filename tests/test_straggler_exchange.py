@@ -137,7 +137,8 @@ def test_the_detector_on_node_b_names_its_rank_against_node_a(store):
     clock = Clock()
     nodes = {}
     for node, host in ((0, "node-a"), (1, "node-b")):
-        det = StragglerDetector(window=10, now=clock, host=host)
+        # Slow from the first step: no horizon to wait out (baseline_steps=window).
+        det = StragglerDetector(window=10, now=clock, host=host, baseline_steps=10)
         nodes[node] = (det, Exchange(store, node, 2, host, interval_s=1.0, now=clock))
     events = []
     for _ in range(40):
