@@ -36,9 +36,11 @@ Life cycle, driven by the supervisor's loop through four calls:
 - ``close()``: SIGKILL every standby's process group and the zygote (the supervisor's
   ``finally``). A SIGKILLed launcher takes them along through PDEATHSIG, like its workers.
 
-One more, optional: ``take_store()`` before a single-node cycle's workers start hands over a
-TCPStore server that a fork of the zygote already hosts, so that every rank can connect to
-a listening store (see its docstring for the worker environment that goes with it).
+One more: ``take_store()`` before a single-node cycle's workers start hands over a TCPStore
+server that a fork of the zygote already hosts, so that every rank can connect to a
+listening store (see its docstring for the worker environment that goes with it). Cold runs
+get it too (``--ft-agent-store``, on by default on one node): a store-only zygote, which
+imports torch alone at idle priority and never forks a standby.
 
 Standbys' environment is the launcher's plus ``OMP_NUM_THREADS`` when the launcher sets it
 for workers (libraries read it when they load). Their output before activation goes to
@@ -277,6 +279,9 @@ class StandbyPool:
         self.event = event
         self.entry = PythonEntry.parse(cfg.entrypoint)
         self.enabled = cfg.ft.warm_restart
+        # Without warm restart the zygote only hosts cycle stores (single node: other nodes
+        # cannot know the port), and needs nothing but torch for that.
+        self.stores_only = not self.enabled and cfg.ft.agent_store and cfg.max_nodes == 1
         self.standbys: dict[int, Standby] = {}
         self.env = dict(os.environ)
         if cfg.nproc_per_node > 1 and "OMP_NUM_THREADS" not in self.env:
@@ -293,7 +298,7 @@ class StandbyPool:
         self._store_requested = False
         self._store_failed = False
         self._dying: list[ChildProcess] = []  # killed store hosts not reaped yet
-        if self.enabled and self.entry is not None:
+        if (self.enabled or self.stores_only) and self.entry is not None:
             self._start_zygote()
 
     # -- the supervisor's calls ----------------------------------------------------------
@@ -341,7 +346,7 @@ class StandbyPool:
         """Zygote messages; report ready and dead standbys; fork or spawn missing ones."""
         if self.adopting:
             reap_orphans()  # one waitid() when there is nothing to reap
-        if not self.enabled:
+        if not (self.enabled or self.stores_only):
             return
         self._release_events()
         running = training_started or time.monotonic() - self._cycle_start >= SPAWN_DELAY_S
@@ -349,6 +354,9 @@ class StandbyPool:
             self._zygote_messages()
             if self.zygote is not None and running and not self.zygote.raised:
                 self.zygote.raise_priority()
+        if not self.enabled:
+            self._dying = [p for p in self._dying if p.poll() is None]
+            return
         for sb in list(self.standbys.values()):
             if not self.enabled:
                 return
@@ -416,7 +424,7 @@ class StandbyPool:
         ends here (and in ``close``); each cycle gets a fresh one, so no key outlives it.
         """
         self._end_store()
-        if not self.enabled or self.spare_store is None:
+        if self.spare_store is None:
             return None
         port, self.store = self.spare_store
         self.spare_store = None
@@ -460,13 +468,16 @@ class StandbyPool:
                            "(prctl PR_SET_CHILD_SUBREAPER failed)")
             return
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        preload = self._preload()
         argv = [*self.entry.interpreter, "-c", ZYGOTE_BOOTSTRAP, secrets.token_hex(8),
                 str(self.cfg.run_dir.absolute()), self.entry.sys_path0(),
-                ",".join(self.cfg.ft.preload), str(os.getpid())]
+                ",".join(preload), str(os.getpid())]
         self.log_dir.mkdir(parents=True, exist_ok=True)
         sink = Sink(open_log(self.log_dir / "zygote.log"), None, label="zygote")
         try:
-            proc = spawn_process(argv, self.env, stdin=theirs.fileno())
+            # A store-only zygote runs no user code: no OpenMP pool that would make it unsafe.
+            env = {**self.env, "OMP_NUM_THREADS": "1"} if self.stores_only else self.env
+            proc = spawn_process(argv, env, stdin=theirs.fileno())
         except OSError as exc:
             sink.close()
             ours.close()
@@ -492,14 +503,17 @@ class StandbyPool:
             kind, _, rest = message.partition(" ")
             if kind == "ready":
                 seconds, _, threads = rest.partition(" ")
-                zygote.ready = self.forking = True
+                zygote.ready, self.forking = True, self.enabled
                 self._request_store()
-                self.event("zygote_ready", pid=zygote.proc.pid, preload=self.cfg.ft.preload,
+                self.event("zygote_ready", pid=zygote.proc.pid, preload=self._preload(),
                            import_s=_float(seconds), threads=_float(threads),
                            ready_s=round(time.monotonic() - zygote.started_at, 3),
                            **_memory(zygote.proc.pid))
             elif kind == "unsafe":
                 self._fallback(rest)
+                return
+            elif kind == "failed" and self.stores_only:
+                self._fallback(f"preload failed: {rest}")
                 return
             elif kind == "failed":
                 self._disable(f"preload failed: {rest}")
@@ -561,11 +575,14 @@ class StandbyPool:
             self.zygote.stop()
             self.zygote = None
         self.forking = False
-        self._emit("zygote_fallback", reason=reason, preload=self.cfg.ft.preload)
+        self._emit("zygote_fallback", reason=reason, preload=self._preload())
         for sb in forked:
             self._kill(sb)
 
     # -- inside ----------------------------------------------------------------------------
+
+    def _preload(self) -> list[str]:
+        return ["torch"] if self.stores_only else self.cfg.ft.preload
 
     def _emit(self, name: str, **fields: Any) -> None:
         if self._held is not None:

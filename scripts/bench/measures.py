@@ -29,6 +29,8 @@ WORKLOAD = HERE / "workload.py"
 HB_TIMEOUT_S = 2.0  # --ft-rank-heartbeat-timeout for ours and NVRx
 INITIAL_TIMEOUT_S = 120.0  # spawn -> first heartbeat: covers torch imports on a busy machine
 WARM = "ours-warm"  # ours with --ft-warm-restart: standby interpreters take over on a restart
+NOSTORE = "ours-nostore"  # ours with --no-ft-agent-store: rank 0 hosts each cycle's store
+OURS = ("ours", WARM, NOSTORE)
 # DDP imports torch._dynamo when it is built (~1.4 s here): preloading it too is what makes a
 # warm DDP worker reach its first step quickly.
 WARM_PRELOAD = "torch,torch._dynamo"
@@ -84,13 +86,15 @@ class Launchers:
         (``preload``: what ours-warm's standbys import)."""
         n, r = str(nproc), str(max_restarts)
         hb, init = str(HB_TIMEOUT_S), str(INITIAL_TIMEOUT_S)
-        if name in ("ours", WARM):
+        if name in OURS:
             head = [*self.ours, "--nproc-per-node", n, "--max-restarts", r,
                     "--master-addr", "127.0.0.1", "--ft-run-dir", str(workdir / "ft_run"),
                     "--ft-rank-heartbeat-timeout", hb, "--ft-initial-rank-heartbeat-timeout",
                     init]
             if name == WARM:
                 head += ["--ft-warm-restart", "--ft-preload", preload]
+            if name == NOSTORE:
+                head += ["--no-ft-agent-store"]
             client = "ours"
         elif name == "torchrun":
             head = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -225,7 +229,7 @@ class Verdict:
 def _verdict_reader(launcher: str, run: Run, t_sig: float) -> Callable[[], Verdict | None]:
     """A callable returning the verdict once the launcher recorded one."""
     found: list[Verdict] = []
-    if launcher in ("ours", WARM):
+    if launcher in OURS:
         tail = JsonlTail(run.workdir / "ft_run" / "events.jsonl")
 
         def ours() -> Verdict | None:
@@ -530,7 +534,7 @@ def crash_twice(ctx: Context, launcher: str, tag: str, after_s: float = 2.0) -> 
     Unlike ``crash``, nothing waits for standbys: the faults come when a user's would, and
     the launcher's ``workers_started`` tells whether each restart was warm."""
     s = ctx.settings
-    ft = FtEvents(run_dir_events(ctx, tag)) if launcher in ("ours", WARM) else None
+    ft = FtEvents(run_dir_events(ctx, tag)) if launcher in OURS else None
     out: Result = {}
     with ctx.run(tag, launcher, s.nproc, 2, ctx.train_args(ENDLESS_STEPS)) as run:
         failed = _start_and_wait(run, ctx, s.nproc)

@@ -5,6 +5,8 @@
 
 Measures (ours = cold restarts, ours-warm = --ft-warm-restart with the zygote):
 
+(ours-nostore = ours with --no-ft-agent-store: rank 0 hosts each cycle's TCPStore.)
+
 - crash2: SIGKILL of rank 1 2 s after every rank's first step, then again 2 s after the
   restarted cycle's first step; SIGKILL -> first step of every rank for each, and whether
   each restart was warm (nothing waits for standbys);
@@ -33,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import measures  # noqa: E402
 from bench import machine_info  # noqa: E402
-from measures import WARM, Context, Launchers, Settings  # noqa: E402
+from measures import NOSTORE, WARM, Context, Launchers, Settings  # noqa: E402
 
 MEASURES = ("crash2", "clean", "memory")
 
@@ -55,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     only = [m for m in args.only.split(",") if m]
     settings = Settings(warm_preload=args.preload)
     ctx = Context(Launchers.default(), settings, Path(tempfile.mkdtemp(prefix="ftw-")))
-    pair = tuple(x for x in ("ours", WARM) if x in args.launchers.split(","))
+    pair = tuple(x for x in ("ours", NOSTORE, WARM) if x in args.launchers.split(","))
     doc: dict[str, Any] = {"machine": machine_info(), "started": time.time(), "runs": {}}
     plan = [("crash2", measures.crash_twice, pair),
             ("clean", measures.clean, pair),
