@@ -1,6 +1,6 @@
 """Node loss, side by side: ft_launcher against torchrun on the same c10d scenarios.
 
-    python scripts/bench/nodeloss.py [--trials 5] [--quick] [--out DIR]
+    python scripts/bench/nodeloss.py [--trials 5] [--quick] [--out DIR] [--resume JSON]
 
 For each launcher (ours, torchrun) x lost node (a: a node that does not host the store;
 b: the store's host; c: a frozen node, SIGSTOP of its launcher and workers) x spare (no:
@@ -17,6 +17,8 @@ every cell before trial i+1 of any; the launcher that goes first alternates).
 Writes ``nodeloss.json`` (every trial, the load average at its start) and ``nodeloss.md``
 (the table: median (min–max) over successes, successes out of trials) under ``--out``.
 Every process of a trial is stopped by pid when the trial ends, whatever happened.
+``--resume`` takes an earlier run's ``nodeloss.json`` and runs only the trials it lacks up
+to ``--trials`` (its trials keep their own load averages; the date and command say both).
 """
 
 from __future__ import annotations
@@ -229,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scenarios", default="abc")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent)
     ap.add_argument("--keep", action="store_true", help="keep the trials' directories")
+    ap.add_argument("--resume", type=Path, help="an earlier nodeloss.json to complete")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     launchers = [x for x in args.launchers.split(",") if x]
@@ -243,9 +246,14 @@ def main(argv: list[str] | None = None) -> int:
              for x in launchers]
     root = Path(tempfile.mkdtemp(prefix="nodeloss-"))
     trials: list[Trial] = []
-    doc: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                           "command": "python scripts/bench/nodeloss.py "
-                                      + " ".join(argv if argv is not None else sys.argv[1:]),
+    command = "python scripts/bench/nodeloss.py " + " ".join(
+        argv if argv is not None else sys.argv[1:])
+    date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    if args.resume is not None:
+        earlier = json.loads(args.resume.read_text())
+        trials = [Trial(**t) for t in earlier["trials"]]
+        date, command = f"{earlier['date']}, then {date}", f"{earlier['command']}, then {command}"
+    doc: dict[str, Any] = {"date": date, "command": command,
                            "machine": machine(), "settings": asdict(st),
                            "scenarios": SCENARIOS, "ours_extra": list(OURS_EXTRA)}
     try:
@@ -253,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
             order = cells if i % 2 == 0 else [Cell(c.launcher, c.scenario, c.spare)
                                               for c in _swap(cells)]
             for cell in order:
+                if any((t.launcher, t.scenario, t.spare, t.trial) ==
+                       (cell.launcher, cell.scenario, cell.spare, i) for t in trials):
+                    continue  # done in the run resumed
                 base = root / f"{cell.launcher}-{cell.scenario}-{int(cell.spare)}-{i}"
                 t = run_trial(cell, i, base, st)
                 trials.append(t)
