@@ -137,7 +137,8 @@ FT_OPTIONS = [
     ("--ft-preload", "preload", "Modules standby workers import [torch]."),
     ("--ft-agent-store/--no-ft-agent-store", "agent_store",
      "One node: host each cycle's TCPStore in a process listening before the workers "
-     "start, so no rank waits out the store client's retry back-off [on]."),
+     "start, so no rank waits out the store client's retry back-off (warm restart "
+     "always does) [off]."),
     ("--ft-straggler-threshold", "straggler_threshold",
      "A rank whose median section time is this many times the other ranks' is a "
      "straggler (> 1) [1.3]."),

@@ -46,8 +46,9 @@ class FaultToleranceConfig(agent_config.FaultToleranceConfig):
     warm_restart: bool = False
     preload: list[str] = field(default_factory=lambda: ["torch"])
     # Single node: each cycle's TCPStore is hosted by a process that listens before the
-    # workers start (TORCHELASTIC_USE_AGENT_STORE=True), even without warm restart.
-    agent_store: bool = True
+    # workers start (TORCHELASTIC_USE_AGENT_STORE=True), even without warm restart. Off by
+    # default: its torch import cost a 2-core machine 1.2 s of start-up (README, Warm restart).
+    agent_store: bool = False
     # Stragglers (ft_launcher/straggler.py): score = a rank's median time in this section
     # over the other ranks' medians, each over the last `window` steps.
     straggler_threshold: float = 1.3

@@ -407,7 +407,7 @@ def test_a_short_clean_past_is_enough_to_see_a_rank_get_slower():
     steps behind it, a 2x onset is still named within 20 steps, not after half the horizon."""
     for window in (10, 12):
         events = run(StragglerDetector(window=window), 2, 60,
-                     lambda step, rank: BASE_S * (2 if rank == 1 and step >= window else 1))
+                     lambda step, rank, w=window: BASE_S * (2 if rank == 1 and step >= w else 1))
         assert [(e.event, e.rank) for _, e in events] == [(DETECTED, 1)], window
         assert events[0][0] < window + 20
 

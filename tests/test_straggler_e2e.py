@@ -231,12 +231,13 @@ def test_a_clean_run_of_8_ranks_reports_no_straggler(run_dir: Path, tmp_path: Pa
 def test_device_times_reach_the_detector_and_name_the_rank(run_dir: Path):
     """Sections with ``device=True`` under a real launcher; MOCK: the CUDA events only (no
     GPU here; tests/scripts/straggler_device_train.py). Wall times are equal (a fixed sleep)
-    while rank 1's device times are 3x: the report names rank 1 on clock "device"."""
+    while rank 1's device times are 3x from its first step: the report names rank 1 on clock
+    "device", once it has been slow for half the detector's horizon (50 steps here)."""
     from launch_helpers import run_launcher
 
     res = run_launcher(run_dir, "--nproc-per-node", "2", *FAST_STOP, *THRESHOLD,
                        "--ft-straggler-window", "10",
-                       str(SCRIPTS / "straggler_device_train.py"), "--steps", "50",
+                       str(SCRIPTS / "straggler_device_train.py"), "--steps", "90",
                        timeout=180)
     assert res.returncode == 0, res.stdout[-3000:]
     detected = named(events(run_dir), "straggler_detected")

@@ -435,10 +435,9 @@ def test_off_by_default_no_standby(tmp_path, run_dir, how):
     res = run_launcher(run_dir, "--nproc-per-node", "2", *args, str(script), timeout=60)
     assert res.returncode == 0, res.stdout
     names = {e["event"] for e in events(run_dir)}
-    assert not names & {"standby_ready", "standby_died", "warm_restart_disabled"}
-    # The zygote hosts cycle stores only (--ft-agent-store): torch alone, no standby.
-    assert all(e["preload"] == ["torch"] for e in named(events(run_dir), "zygote_ready"))
-    assert [p.name for p in (run_dir / "logs" / "standby").iterdir()] == ["zygote.log"]
+    assert not names & {"standby_ready", "standby_died", "warm_restart_disabled", "zygote_ready",
+                        "zygote_fallback", "store_taken"}
+    assert not (run_dir / "logs" / "standby").exists()
 
 
 # -- units ------------------------------------------------------------------------------
@@ -577,12 +576,12 @@ def test_take_store_hands_over_a_listening_tcpstore_per_cycle(tmp_path):
 
 @pytest.mark.slow
 def test_a_cold_restart_uses_a_cycle_store_that_listens_before_the_workers(tmp_path, run_dir):
-    """Warm restart off (the default): the store-only zygote (torch alone) hosts cycle 1's
+    """Warm restart off, --ft-agent-store: the store-only zygote (torch alone) hosts cycle 1's
     TCPStore, so every rank of cycle 1 is its client (TORCHELASTIC_USE_AGENT_STORE=True,
     MASTER_PORT = the store's port) and the all-reduce still adds up; cycle 0 started before
-    the zygote was ready, so rank 0 hosted its store. With --no-ft-agent-store no zygote."""
+    the zygote was ready, so rank 0 hosted its store."""
     out = tmp_path / "out"
-    res = run_launcher(run_dir, "--nproc-per-node", "2", "--max-restarts", "1",
+    res = run_launcher(run_dir, "--nproc-per-node", "2", "--max-restarts", "1", "--ft-agent-store",
                        str(SCRIPTS / "agent_store.py"), str(out), timeout=170)
     assert res.returncode == 0, res.stdout[-3000:]
     evs = events(run_dir)
@@ -605,13 +604,14 @@ def test_no_agent_store_no_zygote(tmp_path):
 
     script = tmp_path / "train.py"
     script.write_text("pass\n")
-    for agent_store, nnodes, zygote in ((False, 1, False), (True, 2, False), (True, 1, True)):
+    for ft, nnodes, zygote in ((FaultToleranceConfig(), 1, False),  # off by default
+                               (FaultToleranceConfig(agent_store=True), 2, False),
+                               (FaultToleranceConfig(agent_store=True), 1, True)):
         cfg = LaunchConfig(entrypoint=[sys.executable, "-u", str(script)], script_args=[],
-                           run_dir=tmp_path / "run", max_nodes=nnodes,
-                           ft=FaultToleranceConfig(agent_store=agent_store))
+                           run_dir=tmp_path / "run", max_nodes=nnodes, ft=ft)
         pool = StandbyPool(cfg, tmp_path / "standby", lambda name, **f: None)
         try:
-            assert (pool.zygote is not None) is zygote is pool.stores_only, (agent_store, nnodes)
+            assert (pool.zygote is not None) is zygote is pool.stores_only, (ft, nnodes)
             assert not pool.enabled  # never a standby
         finally:
             pool.close()

@@ -29,8 +29,8 @@ WORKLOAD = HERE / "workload.py"
 HB_TIMEOUT_S = 2.0  # --ft-rank-heartbeat-timeout for ours and NVRx
 INITIAL_TIMEOUT_S = 120.0  # spawn -> first heartbeat: covers torch imports on a busy machine
 WARM = "ours-warm"  # ours with --ft-warm-restart: standby interpreters take over on a restart
-NOSTORE = "ours-nostore"  # ours with --no-ft-agent-store: rank 0 hosts each cycle's store
-OURS = ("ours", WARM, NOSTORE)
+STORE = "ours-store"  # ours with --ft-agent-store: a store-only zygote hosts each cycle's store
+OURS = ("ours", WARM, STORE)
 # DDP imports torch._dynamo when it is built (~1.4 s here): preloading it too is what makes a
 # warm DDP worker reach its first step quickly.
 WARM_PRELOAD = "torch,torch._dynamo"
@@ -93,8 +93,8 @@ class Launchers:
                     init]
             if name == WARM:
                 head += ["--ft-warm-restart", "--ft-preload", preload]
-            if name == NOSTORE:
-                head += ["--no-ft-agent-store"]
+            if name == STORE:
+                head += ["--ft-agent-store"]
             client = "ours"
         elif name == "torchrun":
             head = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -557,6 +557,38 @@ def crash_twice(ctx: Context, launcher: str, tag: str, after_s: float = 2.0) -> 
                 out[f"{name}_warm"] = _restart_warm_flags(run, ft, n)
     out.setdefault("second_s", None)
     return out
+
+
+def hang_restart(ctx: Context, launcher: str, tag: str, after_s: float = 2.0) -> Result:
+    """SIGSTOP rank 1 ``after_s`` after every rank's first step; the launcher's hang verdict
+    (at the heartbeat timeout) -> the first step of every rank of the next cycle, and
+    whether that restart was warm (nothing waits for standbys). Ours only: the verdict is
+    read from its events."""
+    s = ctx.settings
+    ft = FtEvents(run_dir_events(ctx, tag))
+    with ctx.run(tag, launcher, s.nproc, 1, ctx.train_args(ENDLESS_STEPS)) as run:
+        failed = _start_and_wait(run, ctx, s.nproc)
+        if failed:
+            return {"after_verdict_s": None, **failed}
+        t_first = max(r["t"] for r in run.first_steps(frozenset()).values())
+        run.sleep_until(t_first + after_s)
+        seen = run.worker_pids()
+        t_sig = run.signal_worker(run.pid_of(1), signal.SIGSTOP)
+        read_verdict = _verdict_reader(launcher, run, t_sig)
+        verdict: Verdict | None = None
+
+        def decided() -> bool:
+            nonlocal verdict
+            verdict = verdict or read_verdict()
+            return verdict is not None and _all_started(run, s.nproc, frozenset(seen))
+
+        if not run.wait(decided, HB_TIMEOUT_S + s.crash_bound_s) or verdict is None:
+            return {"after_verdict_s": None, "note": "no verdict and new first steps within "
+                                                     f"{HB_TIMEOUT_S + s.crash_bound_s:.0f} s"}
+        t_new = max(r["t"] for r in run.first_steps(frozenset(seen)).values())
+        return {"detect_s": round(verdict.t - t_sig, 4),
+                "after_verdict_s": round(t_new - verdict.t, 4),
+                "warm": _restart_warm_flags(run, ft, 1)}
 
 
 def standby_memory(ctx: Context, launcher: str, tag: str) -> Result:

@@ -5,11 +5,13 @@
 
 Measures (ours = cold restarts, ours-warm = --ft-warm-restart with the zygote):
 
-(ours-nostore = ours with --no-ft-agent-store: rank 0 hosts each cycle's TCPStore.)
+(ours-store = ours with --ft-agent-store: a store-only zygote hosts each cycle's TCPStore.)
 
 - crash2: SIGKILL of rank 1 2 s after every rank's first step, then again 2 s after the
   restarted cycle's first step; SIGKILL -> first step of every rank for each, and whether
   each restart was warm (nothing waits for standbys);
+- hang: SIGSTOP of rank 1 2 s after every rank's first step; the hang verdict (at the
+  heartbeat timeout) -> first step of every rank of the next cycle;
 - clean: the fault-free training of the main benchmark (wall time, start-up);
 - memory: PSS of all standby processes (zygote + forks) with 8 local ranks, against one
   interpreter that imported the same preloads, in the same run (ours-warm only).
@@ -35,9 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import measures  # noqa: E402
 from bench import machine_info  # noqa: E402
-from measures import NOSTORE, WARM, Context, Launchers, Settings  # noqa: E402
+from measures import STORE, WARM, Context, Launchers, Settings  # noqa: E402
 
-MEASURES = ("crash2", "clean", "memory")
+MEASURES = ("crash2", "hang", "clean", "memory")
 
 
 def _median(values: list[Any]) -> float | None:
@@ -57,9 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     only = [m for m in args.only.split(",") if m]
     settings = Settings(warm_preload=args.preload)
     ctx = Context(Launchers.default(), settings, Path(tempfile.mkdtemp(prefix="ftw-")))
-    pair = tuple(x for x in ("ours", NOSTORE, WARM) if x in args.launchers.split(","))
+    pair = tuple(x for x in ("ours", STORE, WARM) if x in args.launchers.split(","))
     doc: dict[str, Any] = {"machine": machine_info(), "started": time.time(), "runs": {}}
     plan = [("crash2", measures.crash_twice, pair),
+            ("hang", measures.hang_restart, pair),
             ("clean", measures.clean, pair),
             ("memory", measures.standby_memory, (WARM,))]
     try:

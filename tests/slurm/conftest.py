@@ -18,9 +18,10 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -155,13 +156,18 @@ class SlurmJobs:
         return self.wait_state(job_id, TERMINAL, timeout)
 
     def wait_file(self, path: Path, timeout: float, job_id: str) -> None:
+        self.wait_for(path.exists, timeout, job_id, f"{path} to appear")
+
+    def wait_for(self, predicate: Callable[[], Any], timeout: float, job_id: str,
+                 what: str) -> Any:
+        """Poll ``predicate`` every 0.1 s until it returns something true; return that."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if path.exists():
-                return
+            got = predicate()
+            if got:
+                return got
             time.sleep(0.1)
-        pytest.fail(f"{path} did not appear within {timeout} s:\n"
-                    f"{self.output(job_id)[-3000:]}")
+        pytest.fail(f"no {what} within {timeout} s:\n{self.output(job_id)[-3000:]}")
 
     def wait_gone(self, timeout: float) -> list[str]:
         """Wait until no process of this test is left; returns what is left at the end."""

@@ -13,6 +13,8 @@ Every run appends "<SLURMD_NODENAME> <SLURM_RESTART_COUNT>" to STATE_DIR/runs.tx
   ends it.
 - ``hold-first-run``: ``hold`` on the job's first run; a requeued run (SLURM_RESTART_COUNT
   set) exits 0 at once.
+- ``hold-until-killed``: ``hold`` on runs that start before STATE_DIR/killed exists (the test
+  writes it just before it kills a node); later runs exit 0 at once.
 
 ``--linger S`` waits S seconds before exiting. Two-node tests need it: ft_launcher has no
 exit barrier yet, so a node whose workers finish at once shuts the c10d rendezvous down
@@ -33,7 +35,7 @@ from pathlib import Path
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("mode", choices=["first-node-16", "exit", "exit-on", "usr1", "hold",
-                                    "hold-first-run"])
+                                    "hold-first-run", "hold-until-killed"])
     p.add_argument("state_dir", type=Path)
     p.add_argument("--code", type=int, default=0)
     p.add_argument("--node", default="")
@@ -63,6 +65,8 @@ def run(a: argparse.Namespace) -> int:
     if a.mode == "usr1":
         return usr1(a.state_dir, node)
     if a.mode == "hold-first-run" and "SLURM_RESTART_COUNT" in os.environ:
+        return 0
+    if a.mode == "hold-until-killed" and (a.state_dir / "killed").exists():
         return 0
     (a.state_dir / f"ready.{node}").write_text(str(os.getpid()))
     (a.state_dir / "ready").write_text(str(os.getpid()))

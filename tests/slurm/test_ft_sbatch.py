@@ -259,6 +259,49 @@ def test_a_dead_node_without_a_spare_is_excluded_when_the_job_is_requeued(slurm_
                                               + [(n, "1") for n in second])
 
 
+@pytest.mark.slurm
+def test_a_waiting_spare_is_admitted_when_a_node_dies_mid_run(slurm_jobs):
+    # three healthy nodes for a 2:2 job: two train, the third waits as a spare. SIGKILL of a
+    # training node's launcher mid-run: the spare is admitted to the next round, the job
+    # finishes on the survivor and the spare, and is not requeued for the node that died.
+    job = slurm_jobs.submit("--max-resubmissions", "1", "--nnodes", "2:2", "--rdzv-port",
+                            str(26400 + os.getpid() % 500), "--",
+                            *train(slurm_jobs, "hold-until-killed", "--linger", "3"),
+                            sbatch=("-N", "3"))
+    first = slurm_jobs.wait_state(job, {"RUNNING"}, 60)
+    nodes = subprocess.run(["scontrol", "show", "hostnames", first["NodeList"]],
+                           capture_output=True, text=True, timeout=15).stdout.split()
+    run_dir = slurm_jobs.workdir / "runs" / job
+
+    def spare() -> str | None:
+        for node in nodes:
+            path = run_dir / node / "events.jsonl"
+            if path.exists() and any(e["event"] == "spare_waiting" for e in events(path)):
+                return node
+        return None
+
+    waiting = slurm_jobs.wait_for(spare, 120, job, "a launcher waiting as a spare")
+    training = [n for n in nodes if n != waiting]
+    for node in training:
+        slurm_jobs.wait_file(slurm_jobs.workdir / f"ready.{node}", 90, job)
+    victim, survivor = training
+    (slurm_jobs.workdir / "killed").touch()
+    launcher_of(slurm_jobs, job, victim).send_signal(signal.SIGKILL)
+    f = slurm_jobs.wait_done(job, 240)
+    out = slurm_jobs.output(job)
+    assert (f["JobState"], f["ExitCode"], f["Restarts"]) == ("COMPLETED", "0:0", "0"), out
+    spare_events = [e["event"] for e in events(run_dir / waiting / "events.jsonl")]
+    assert spare_events.index("spare_waiting") < spare_events.index("spare_admitted") \
+        < spare_events.index("workers_started"), spare_events
+    survivor_events = events(run_dir / survivor / "events.jsonl")
+    assert [e["cycle"] for e in survivor_events if e["event"] == "workers_started"] == [0, 1]
+    for node in (survivor, waiting):
+        assert json.loads((run_dir / node / "summary.json").read_text())["exit_code"] == 0
+    assert sorted(runs(slurm_jobs)) == sorted(
+        [(victim, "unset"), (survivor, "unset"), (survivor, "unset"), (waiting, "unset")]), out
+    assert "requeue:" not in out, out
+
+
 def test_wrapper_outside_slurm_is_a_one_line_error(tmp_path: Path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     out = subprocess.run(["bash", str(WRAPPER), "train.py"], capture_output=True, text=True,
