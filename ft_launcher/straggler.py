@@ -21,8 +21,7 @@ noise, which cancels). And a rank must be slow against the others' *usual* times
 recent median must also exceed ``threshold`` times the others' medians over a longer horizon
 (``baseline_steps``, ten windows), and exceed its own usual as much (its times before the
 current window: it got slower), unless it has been that slow for half the horizon (slow from
-its first step: reported after 5 windows).
-With two ranks the score cannot tell a slow rank from a peer that got faster: measured on 2
+its first step: reported after 5 windows). With two ranks the score cannot tell a slow rank from a peer that got faster: measured on 2
 cores, one rank's sections ran 1.7x faster than usual for ~40 steps with nothing slowed, and
 score and per-step ratio alike named the other, unchanged rank; against the usual times it
 is not slow. All must hold for ``confirm_steps`` of its own steps in a row; it is cleared
