@@ -17,16 +17,17 @@ median 1.5-1.7x the other's for up to ~30 steps. So a rank is reported only when
 its excess is *persistent* within the window: at least ``persist`` (0.7) of its last
 ``window`` steps took more than ``threshold`` times the same step's median of the other local
 ranks (the per-step ratio: every rank of a synchronous step shares that step's machine-wide
-noise, which cancels). And a rank must be slow against the others' *usual* times: its
-recent median must also exceed ``threshold`` times the others' medians over a longer horizon
+noise, which cancels). And a rank must be slow against the others' *usual* times: its recent
+median must also exceed ``threshold`` times the others' medians over a longer horizon
 (``baseline_steps``, ten windows), and exceed its own usual as much (its times before the
 current window: it got slower), unless it has been that slow for half the horizon (slow from
-its first step: reported after 5 windows). With two ranks the score cannot tell a slow rank from a peer that got faster: measured on 2
-cores, one rank's sections ran 1.7x faster than usual for ~40 steps with nothing slowed, and
-score and per-step ratio alike named the other, unchanged rank; against the usual times it
-is not slow. All must hold for ``confirm_steps`` of its own steps in a row; it is cleared
-when its score stays below ``clear_threshold`` (lower: hysteresis) as long. No score exists
-before a rank has ``window`` section times, so nothing is ever decided on fewer.
+its first step: reported after 5 windows). With two ranks the score cannot tell a slow rank
+from a peer that got faster: measured on 2 cores, one rank's sections ran 1.7x faster than
+usual for ~40 steps with nothing slowed, and score and per-step ratio alike named the other,
+unchanged rank; against the usual times it is not slow. All must hold for ``confirm_steps``
+of its own steps in a row; it is cleared when its score stays below ``clear_threshold``
+(lower: hysteresis) as long. No score exists before a rank has ``window`` section times, so
+nothing is ever decided on fewer.
 
 Device time: when every local rank reports the GPU time of the section (``observe_device``,
 from ``client.section(..., device=True)``), those times are scored instead of wall times
