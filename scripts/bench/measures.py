@@ -106,7 +106,10 @@ class Launchers:
                     "--nproc-per-node", n, "--max-restarts", r,
                     "--ft-rank-heartbeat-timeout", hb,
                     "--ft-initial-rank-heartbeat-timeout", init,
-                    "--ft-enable-nic-monitor", "false"]
+                    "--ft-enable-nic-monitor", "false",
+                    # NVRx's client accepts only the sections its config names: the
+                    # heartbeat measure times "compute" open+close pairs.
+                    "--ft-rank-section-timeouts", "compute:60"]
             client = "nvrx"
         else:
             raise ValueError(f"unknown launcher {name!r}")
