@@ -123,6 +123,11 @@ class Supervisor:
         if cfg.ft.metrics_port:
             self.metrics = MetricsExporter(cfg.ft.metrics_addr, cfg.ft.metrics_port)
             self.metrics.set_heartbeat_ages(self._heartbeat_ages)
+        # The launcher's handlers first: the zygote spawned below must start, as every cold
+        # worker does, with those signals at their defaults (exec resets a handled signal;
+        # one the launcher inherited ignored, e.g. SIGINT in a shell's background job,
+        # would otherwise stay ignored in every warm worker).
+        self._install_signals()
         # Warm restart (--ft-warm-restart): standby interpreters; inert when off.
         self.standbys = StandbyPool(cfg, self.rundir.logs / "standby", self.event)
         self.stragglers: StragglerDetector | None = None  # per cycle
@@ -205,7 +210,6 @@ class Supervisor:
     # -- the loop ----------------------------------------------------------------------
 
     def run(self) -> int:
-        self._install_signals()
         self.event("launcher_started", host=self.host, pid=os.getpid(),
                    nproc_per_node=self.cfg.nproc_per_node, max_restarts=self.cfg.max_restarts,
                    entrypoint=self.cfg.entrypoint + self.cfg.script_args,
