@@ -349,6 +349,7 @@ class StandbyPool:
             reap_orphans()  # one waitid() when there is nothing to reap
         if not (self.enabled or self.stores_only):
             return
+        self._dying = [p for p in self._dying if p.poll() is None]
         self._release_events()
         running = training_started or time.monotonic() - self._cycle_start >= SPAWN_DELAY_S
         if self.zygote is not None:
@@ -359,10 +360,7 @@ class StandbyPool:
             if self.zygote is not None and running and not self.zygote.raised \
                     and self.enabled:
                 self.zygote.raise_priority()
-        if not self.enabled:
-            self._dying = [p for p in self._dying if p.poll() is None]
-            return
-        for sb in list(self.standbys.values()):
+        for sb in list(self.standbys.values()):  # none without warm restart
             if not self.enabled:
                 return
             if sb.ready_at is not None or sb.told_pid is not None:
@@ -384,7 +382,6 @@ class StandbyPool:
                     self._fork(local_rank)
         elif self.zygote is None and running:
             self._spawn_missing()
-        self._dying = [p for p in self._dying if p.poll() is None]
 
     def close(self) -> None:
         """SIGKILL every standby's process group and the zygote, and reap them."""

@@ -316,7 +316,11 @@ class StragglerDetector:
         medians = self.medians(clock)
         ranked = scores(medians)
         reference = _leave_one_out_medians(medians)
-        long = self.medians(clock, self.baseline_steps)
+        # The longer horizon only where a rank's score is over the threshold (this runs at
+        # every wake-up of the launcher; a clean run has no such rank).
+        over = any(not t.flagged and ranked.get(r, 0.0) > self.threshold
+                   for r, t in self._tracks.items())
+        long = self.medians(clock, self.baseline_steps) if over else {}
         usual = _leave_one_out_medians(long)
         out = []
         for rank in sorted(self._tracks):
