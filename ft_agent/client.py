@@ -10,6 +10,7 @@ from __future__ import annotations
 import faulthandler
 import json
 import logging
+import math
 import os
 import socket
 import threading
@@ -78,6 +79,10 @@ class RankMonitorClient:
         self.rank = int(os.environ.get("RANK", "0"))
         self.cycle = int(os.environ.get("FT_CYCLE", "0"))
         self._stop_fence: stop_fence.StopFence | None = None  # FT_STOP_FENCE_S
+        # Heartbeats closer than this to the last one sent are folded into it (0: never).
+        self.heartbeat_fold_s = protocol.HEARTBEAT_FOLD_S
+        self._hb_sent_at = -math.inf
+        self._hb_folds = False
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -168,8 +173,14 @@ class RankMonitorClient:
         """Tell the monitor this rank is alive. Never blocks, never raises."""
         if not self._enabled:
             return
+        t = time.monotonic()
+        if t - self._hb_sent_at < self.heartbeat_fold_s:
+            if self._hb_folds:
+                return  # folded into the last one sent (protocol.HEARTBEAT_FOLD_S)
+            self._hb_folds = True  # said in this heartbeat, before the first fold
+        self._hb_sent_at = t
         with self._lock:
-            self._send(protocol.heartbeat_frame(time.monotonic()))
+            self._send(protocol.heartbeat_frame(t, self._hb_folds))
 
     def start_section(self, name: str, device: bool = False) -> None:
         """Open a timed section (its own timeout applies while it is open). Never blocks.

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ft_agent.protocol import HEARTBEAT_FOLD_S
 from ft_launcher.timeouts import (
     TIMEOUT_HEARTBEAT,
     TIMEOUT_INITIAL,
@@ -97,6 +98,7 @@ class RankLiveness:
     first_activity: float | None = None
     last_activity: float | None = None
     last_hb: float | None = None
+    hb_folds: bool = False  # the last heartbeat said the rank folds heartbeats
     sections: dict[str, float] = field(default_factory=dict)  # open name -> opened at
     last_section_end: float | None = None
     samples: dict[str, Samples] = field(default_factory=dict)
@@ -164,10 +166,14 @@ class Liveness:
 
     # -- what ranks say ----------------------------------------------------------------
 
-    def heartbeat(self, rank: int, stamp: float | None, now: float) -> None:
+    def heartbeat(self, rank: int, stamp: float | None, now: float,
+                  folds: bool = False) -> None:
+        """A heartbeat; ``folds``: the rank may have folded later ones into it (the
+        heartbeat deadline then allows ``HEARTBEAT_FOLD_S`` for an unseen last one)."""
         r = self._active(rank)
         if r is None:
             return
+        r.hb_folds = folds
         t = self._when(r, stamp, now)
         self._activity(r, t)
         if r.last_hb is not None:
@@ -276,7 +282,8 @@ class Liveness:
         if r.last_hb is not None:
             timeout = timeout_for(TIMEOUT_HEARTBEAT)
             if timeout is not None:
-                out.append((r.last_hb + timeout, TIMEOUT_HEARTBEAT, timeout, r.last_hb))
+                fold = HEARTBEAT_FOLD_S if r.hb_folds else 0.0
+                out.append((r.last_hb + timeout + fold, TIMEOUT_HEARTBEAT, timeout, r.last_hb))
         for name, opened in r.sections.items():
             kind = section_kind(name)
             timeout = timeout_for(kind)

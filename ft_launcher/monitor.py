@@ -237,7 +237,7 @@ class Monitor:
         handler(slot, msg, now)
 
     def _on_heartbeat(self, slot: RankSlot, msg: dict[str, Any], now: float) -> None:
-        self.liveness.heartbeat(slot.rank, msg.get("t"), now)
+        self.liveness.heartbeat(slot.rank, msg.get("t"), now, msg.get("folds", False))
 
     def _on_section_open(self, slot: RankSlot, msg: dict[str, Any], now: float) -> None:
         name = msg["name"]

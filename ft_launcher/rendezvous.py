@@ -253,8 +253,10 @@ class StaticRendezvous:
     def num_nodes_waiting(self) -> int:
         return 0
 
-    # Fixed ranks: no node is ever dropped, so no rank needs a stop fence.
+    # Fixed ranks: no node is ever dropped, so no rank needs a stop fence, and nothing
+    # about the other nodes needs polling while the workers run.
     stop_fence_s: float | None = None
+    polls_peers = False
 
     def poll_round(self) -> RoundView:
         return RoundView()
@@ -451,6 +453,7 @@ class DynamicRendezvous:
     """
 
     MASTER_KEY = "ft_launcher/master"
+    polls_peers = True  # poll_round() reads the shared state: nodes waiting, nodes lost
 
     def __init__(
         self,

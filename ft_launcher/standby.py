@@ -343,6 +343,11 @@ class StandbyPool:
             self._disable("the training program is not a Python script (--no-python); "
                           "workers start cold")
 
+    @property
+    def needs_ticks(self) -> bool:
+        """Whether ``tick`` has work to poll for: standbys, a zygote, adopted orphans."""
+        return self.enabled or self.stores_only or self.adopting
+
     def tick(self, training_started: bool) -> None:
         """Zygote messages; report ready and dead standbys; fork or spawn missing ones."""
         if self.adopting:

@@ -58,6 +58,9 @@ SIGNAL_SETTLE_S = 0.2
 NO_EXIT_BARRIER = (Outcome.SIGNALED, Outcome.UNHEALTHY, Outcome.RENDEZVOUS_LOST,
                    Outcome.RENDEZVOUS_CLOSED)
 MESSAGE_BATCH_S = 0.25
+# With nothing to poll, the loop still wakes this often (each wake-up costs the launcher
+# CPU; every wake-up it needs comes from a signal, a message or a deadline).
+IDLE_WAKE_S = 1.0
 # A flood of messages is read in bounded batches; verdicts wait for the queue to empty, but
 # never longer than this (a flood cannot postpone a real hang for ever).
 MAX_JUDGE_DELAY_S = 10.0
@@ -143,8 +146,14 @@ class Supervisor:
 
     def _socket_path(self) -> Path:
         path = self.rundir.private / "monitor.sock"
-        if len(os.fsencode(path)) > 100:  # AF_UNIX paths are limited to 107 bytes
-            path = Path(tempfile.mkdtemp(prefix="ft_")) / "monitor.sock"  # private (0700)
+        # AF_UNIX paths are limited to 107 bytes: else a private (0700) directory in TMPDIR,
+        # or in /tmp when TMPDIR's own path is that long too.
+        for base in (None, "/tmp"):
+            if len(os.fsencode(path)) <= 100:
+                break
+            if path.parent != self.rundir.private:
+                shutil.rmtree(path.parent, ignore_errors=True)
+            path = Path(tempfile.mkdtemp(prefix="ft_", dir=base)) / "monitor.sock"
         path.unlink(missing_ok=True)
         return path
 
@@ -426,7 +435,7 @@ class Supervisor:
         training_at: float | None = None  # wall clock: every rank showed activity
         spawned_at = max(w.started_at for w in group.workers)
         while True:
-            timeout = interval
+            timeout = interval if self._polls() else IDLE_WAKE_S
             deadline = self.monitor.next_deadline()
             if deadline is not None:
                 timeout = min(timeout, deadline - time.monotonic())
@@ -500,6 +509,13 @@ class Supervisor:
                     # ranks are gone from the collectives, so the round re-forms without it.
                     self.event("peers_waiting", waiting=view.waiting, lost=list(view.lost))
                     return CycleResult(self.cycle, Outcome.PEER_CHANGED)
+
+    def _polls(self) -> bool:
+        """Whether something must be polled every ``--monitor-interval``: other nodes (the
+        rendezvous, the straggler exchange) or the standby pool. Worker exits and signals
+        wake the loop at once (SIGCHLD), messages and deadlines by themselves."""
+        return (self.rdzv.polls_peers or self.straggler_exchange is not None
+                or self.standbys.needs_ticks)
 
     # -- a node dropped while it was stopped --------------------------------------------
 

@@ -73,12 +73,13 @@ def test_smoke_json_has_every_measure(smoke: tuple[dict, Path]) -> None:
         assert key in doc, key
     assert doc["launchers"] == ["ours", "ours-warm", "torchrun"]
     assert doc["leftover_processes"] == []
-    assert set(doc["raw"]) == {"heartbeat", "hang", "crash", "startup", "footprint", "goodput"}
+    assert set(doc["raw"]) == {"heartbeat", "hang", "crash", "startup", "footprint",
+                               "training", "goodput"}
     # torchrun has no heartbeat client and no monitor process; ours-warm runs only where a
     # restart happens.
     assert set(doc["raw"]["heartbeat"]) == {"ours"}
     assert set(doc["raw"]["footprint"]) == {"ours"}
-    for measure in ("hang", "startup"):
+    for measure in ("hang", "startup", "training"):
         assert set(doc["raw"][measure]) == {"ours", "torchrun"}, measure
     for measure in ("crash", "goodput"):
         assert set(doc["raw"][measure]) == {"ours", "ours-warm", "torchrun"}, measure
@@ -97,6 +98,8 @@ def test_smoke_values_are_sane(smoke: tuple[dict, Path]) -> None:
     raw = smoke[0]["raw"]
     hb = raw["heartbeat"]["ours"][0]
     assert 0 < hb["p50_us"] <= hb["p99_us"] < 10_000
+    # Back to back, ours folds all but one heartbeat in 0.1 s: a folded call sends nothing.
+    assert 0 < hb["fold_p50_us"] < hb["p50_us"]
 
     ours_hang, torchrun_hang = raw["hang"]["ours"][0], raw["hang"]["torchrun"][0]
     assert 1.5 < ours_hang["detect_s"] < 5.0  # a 2 s timeout; generous for a loaded machine
@@ -115,6 +118,12 @@ def test_smoke_values_are_sane(smoke: tuple[dict, Path]) -> None:
     # The launcher and its guardian (which kills the worker groups if the launcher dies).
     assert fp["processes"] == 2
     assert fp["cpu_pct"] >= 0 and 0 < fp["pss_mb"] <= fp["rss_mb"]
+
+    ours_training, torchrun_training = raw["training"]["ours"][0], raw["training"]["torchrun"][0]
+    for key in ("cpu_pct", "sections_cpu_pct"):
+        assert isinstance(ours_training.get(key), float), ours_training
+    assert isinstance(torchrun_training.get("cpu_pct"), float), torchrun_training
+    assert "sections_cpu_pct" not in torchrun_training
 
     # ours-warm: a real warm restart after ready standbys, verified from workers_started.
     warm_crash = raw["crash"]["ours-warm"][0]
@@ -172,7 +181,7 @@ def test_warm_variant_wiring() -> None:
     assert bench.launchers_for("faulted", every, ["goodput"]) == every
     assert bench.launchers_for("clean", every, ["goodput"]) == every
     assert "ours-warm" not in bench.launchers_for("clean", every, ["startup"])
-    for kind in ("heartbeat", "hang", "footprint"):
+    for kind in ("heartbeat", "hang", "footprint", "training"):
         assert "ours-warm" not in bench.launchers_for(kind, every, [kind]), kind
 
 
@@ -203,7 +212,7 @@ def test_bad_option_is_one_clear_line() -> None:
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines() == [
         "error: --only: expected a comma-separated subset of "
-        "heartbeat,hang,crash,startup,footprint,goodput, got 'heartbeat,speed'"]
+        "heartbeat,hang,crash,startup,footprint,training,goodput, got 'heartbeat,speed'"]
 
 
 @pytest.mark.timeout(90)

@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from ft_agent.protocol import HEARTBEAT_FOLD_S
 from ft_launcher import blame
 from ft_launcher.config import FaultToleranceConfig
 from ft_launcher.liveness import STALL_SETTLE_S, Liveness
@@ -58,6 +59,20 @@ def test_without_any_timeout_nothing_is_judged():
 
 
 # -- heartbeats and stamps -----------------------------------------------------------------
+
+
+def test_a_rank_that_folds_heartbeats_gets_the_fold_interval_on_its_deadline():
+    """A rank that said ``folds`` may have folded its last heartbeat into the one read: its
+    deadline allows for it, so no verdict comes before a true silence of the timeout. Its
+    stamps still place every heartbeat; a rank that stops folding is judged exactly again."""
+    m = _model(rank_heartbeat_timeout=2.0)
+    m.heartbeat(0, T0 + 1.0, T0 + 1.0, folds=True)
+    assert m.next_deadline() == T0 + 3.0 + HEARTBEAT_FOLD_S
+    assert m.check(T0 + 3.0 + HEARTBEAT_FOLD_S / 2) is None
+    v = m.check(T0 + 3.0 + HEARTBEAT_FOLD_S)
+    assert v.timeout_kind == "heartbeat" and v.timeout_s == 2.0
+    m.heartbeat(0, T0 + 4.0, T0 + 4.0)
+    assert m.next_deadline() == T0 + 6.0
 
 
 def test_heartbeat_deadline_moves_with_each_heartbeat():

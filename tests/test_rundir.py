@@ -232,6 +232,19 @@ def test_cjk_run_dir(run_dir: Path):
     assert json.loads((run / "summary.json").read_text())["exit_code"] == 0
 
 
+def test_a_long_run_dir_in_a_long_tmpdir(run_dir: Path):
+    """The socket leaves a run dir too long for AF_UNIX for TMPDIR, and TMPDIR for /tmp when
+    TMPDIR is that long too (the benchmark's smoke test ran into it)."""
+    deep = run_dir / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    env = {**os.environ, "TMPDIR": str(deep)}
+    res = subprocess.run(launcher_cmd(deep / "run", "--nproc-per-node", "1", IO_CASES,
+                                      "exit_code", "0"),
+                         capture_output=True, text=True, cwd=ROOT, timeout=90, env=env)
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert [p.name for p in deep.iterdir()] == ["run"]  # nothing left in TMPDIR
+
+
 # -- writes never end the job -----------------------------------------------------------------
 
 

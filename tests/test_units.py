@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ft_agent import protocol
 from ft_launcher import faults
@@ -39,6 +42,82 @@ def test_protocol_round_trip_and_heartbeat_frame():
 def test_protocol_rejects_malformed_frames(frame, error):
     with pytest.raises(protocol.ProtocolError, match=error):
         protocol.decode(frame)
+
+
+# The prefixes of the hot frames the agent sends (heartbeats, section opens and closes).
+STAMPED = [protocol.heartbeat_frame(1.0), protocol.heartbeat_frame(1.0, folds=True),
+           protocol.section_frames("compute").open(1.0),
+           protocol.section_frames("compute").close(1.0),
+           protocol.section_frames("шаг \\ \"x\"").open(1.0)]
+STAMP_TAILS = st.one_of(
+    st.binary(max_size=24),
+    st.from_regex(rb"\A-?[0-9]{1,25}(\.[0-9]{0,20})?([eE][-+]?[0-9]{1,4})?\Z"),
+    st.sampled_from([b"NaN", b"Infinity", b"-0", b"1e999", b"1e12", b"1000000000001",
+                     b"9" * 5000, b"1_0", b" 1", b"1 ", b"0x10", b"1.5,\"dev\":2"]))
+
+
+@settings(max_examples=600, deadline=None, derandomize=True, database=None)
+@given(base=st.sampled_from(STAMPED), tail=STAMP_TAILS, closed=st.booleans())
+def test_the_hot_frames_decode_exactly_as_the_json_decoder_decodes_them(base, tail, closed):
+    """The stamp path (a known prefix and a number, no JSON decoder) gives the message or
+    the error the full decoder gives, for any stamp bytes."""
+    protocol.decode(base)  # the prefix is known once a frame with it decoded in full
+    frame = base[:base.rindex(b'"t":') + 4] + tail + (b"}" if closed else b"")
+    try:
+        full = protocol._decode_json(frame)
+    except protocol.ProtocolError as exc:
+        with pytest.raises(protocol.ProtocolError, match=re.escape(str(exc))):
+            protocol.decode(frame)
+    else:
+        assert protocol.decode(frame) == full
+        assert type(protocol.decode(frame)["t"]) is float
+
+
+def test_the_hot_frames_skip_the_json_decoder_and_remember_boundedly(monkeypatch):
+    frames = protocol.section_frames("fwd")
+    assert protocol.decode(frames.open(2.0)) == {"v": 1, "k": "sec_open", "name": "fwd",
+                                                 "t": 2.0}
+    monkeypatch.setattr(protocol, "_decode_json", None)  # no full decode from here on
+    assert protocol.decode(frames.open(3.5)) == {"v": 1, "k": "sec_open", "name": "fwd",
+                                                 "t": 3.5}
+    monkeypatch.undo()
+    monkeypatch.setattr(protocol, "_STAMPED", {})
+    for i in range(protocol.MAX_STAMPED + 50):  # a flood of names adds no more prefixes
+        assert protocol.decode(protocol.section_frames(f"s{i}").close(1.0))["name"] == f"s{i}"
+    assert len(protocol._STAMPED) == protocol.MAX_STAMPED
+    # A device time is not a stamp: the full decoder reads it.
+    assert protocol.decode(frames.close(4.0, 0.25)) == {"v": 1, "k": "sec_close", "name": "fwd",
+                                                        "t": 4.0, "dev": 0.25}
+
+
+def test_an_agent_folds_heartbeats_closer_than_the_fold_interval_once_it_said_so(monkeypatch):
+    """Injected clock: the first heartbeat within HEARTBEAT_FOLD_S is sent and says
+    ``folds``; later ones within it of the last sent are folded; a slow rank never folds."""
+    from ft_agent import client as client_module
+
+    sent: list[dict] = []
+    now = [100.0]
+    monkeypatch.setattr(client_module.time, "monotonic", lambda: now[0])
+    c = client_module.RankMonitorClient()
+    c._enabled = True
+    c._send = lambda frame: sent.append(protocol.decode(frame))
+    fold = protocol.HEARTBEAT_FOLD_S
+
+    def beat_at(*times: float) -> list[tuple[float, bool]]:
+        sent.clear()
+        for t in times:
+            now[0] = t
+            c.send_heartbeat()
+        return [(m["t"], m.get("folds", False)) for m in sent]
+
+    slow = [100.0 + i * fold * 1.5 for i in range(5)]
+    assert beat_at(*slow) == [(t, False) for t in slow]
+    base = slow[-1] + fold * 1.5
+    fast = [base + i * fold * 0.3 for i in range(12)]  # no time on a fold's boundary
+    got = beat_at(*fast)
+    assert got[:2] == [(fast[0], False), (fast[1], True)]  # said before the first fold
+    assert [t for t, _ in got[2:]] == [fast[5], fast[9]] and all(f for _, f in got[1:])
+    assert all(b - a >= fold for (a, _), (b, _) in zip(got[1:], got[2:], strict=False))
 
 
 # -- configuration -------------------------------------------------------------------------

@@ -6,9 +6,10 @@
 
 Measures: heartbeat (µs per send_heartbeat), hang (SIGSTOP -> verdict), crash (SIGKILL ->
 first step of the next cycle), startup (launcher start -> first step), footprint (launcher
-side CPU and memory, 8 ranks at 10 Hz), goodput (fault-free wall / wall under a kill and a
-hang). Runs of one measure are interleaved across launchers, so each repeat gives one pair
-of runs per launcher taken under the same load; ratios are per pair.
+side CPU and memory, 8 ranks at 10 Hz), training (launcher side CPU while 2 ranks train),
+goodput (fault-free wall / wall under a kill and a hang). Runs of one measure are
+interleaved across launchers, so each repeat gives one pair of runs per launcher taken under
+the same load; ratios are per pair.
 
 Launchers: ours, ours-warm (ours with --ft-warm-restart --ft-preload torch,torch._dynamo;
 only in crash and goodput, where a restart happens), torchrun, nvrx.
@@ -49,7 +50,7 @@ from measures import Context, Launchers, Settings  # noqa: E402
 
 log = logging.getLogger("bench")
 
-ALL_MEASURES = ("heartbeat", "hang", "crash", "startup", "footprint", "goodput")
+ALL_MEASURES = ("heartbeat", "hang", "crash", "startup", "footprint", "training", "goodput")
 ALL_LAUNCHERS = ("ours", measures.WARM, "torchrun", "nvrx")
 # torchrun has no heartbeat client and no monitor: nothing to measure for these two.
 CLIENT_MEASURES = ("heartbeat", "footprint")
@@ -195,6 +196,10 @@ def method(s: Settings) -> list[str]:
         "launcher-side processes (the launcher and every descendant that is not a worker: "
         f"NVRx's per-rank monitors) over {s.footprint_window_s:g} s; RSS and PSS "
         "(psutil memory_full_info) at the end of the window. torchrun has no monitor.",
+        f"training: {s.nproc} ranks train (the crash measure's workload, a heartbeat per "
+        f"step); from {s.settle_s + 1:g} s after every rank's first step, CPU time of the "
+        f"launcher-side processes (as in footprint) over {s.footprint_window_s:g} s. "
+        "Then the same with each step also in a 'compute' section (not torchrun: no client).",
         f"goodput: a fixed training ({s.train_steps} steps, checkpoint every {s.ckpt_every} "
         "steps, resume from it) run once fault-free and once with two faults: SIGKILL of "
         f"rank 1 {s.fault_after_s:g} s after the first step of cycle 0, SIGSTOP of rank 1 "

@@ -9,6 +9,7 @@ it sent a signal; all on this machine, so one clock.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -167,8 +168,9 @@ def _start_and_wait(run: Run, ctx: Context, nproc: int) -> Result | None:
 
 
 def heartbeat(ctx: Context, launcher: str, tag: str) -> Result:
-    """µs per send_heartbeat() in one worker, ``hb_calls`` calls after a warm-up; then µs
-    per section open+close pair, as many (when the launcher's client has sections)."""
+    """µs per send_heartbeat() in one worker, ``hb_calls`` calls after a warm-up, each
+    sent (``fold_``: back to back as ours folds them); then µs per section open+close pair,
+    as many (when the launcher's client has sections)."""
     args = ["--mode", "heartbeat", "--calls", str(ctx.settings.hb_calls)]
     with ctx.run(tag, launcher, 1, 0, args) as run:
         run.wait(lambda: bool(run.events("hb_stats")), ctx.settings.start_bound_s + 60)
@@ -178,7 +180,7 @@ def heartbeat(ctx: Context, launcher: str, tag: str) -> Result:
     s = stats[0]
     out = {"p50_us": s["p50_us"], "p99_us": s["p99_us"], "mean_us": s["mean_us"]}
     # One start_section + end_section pair, timed in the same run after the heartbeats.
-    for key in ("sec_p50_us", "sec_p99_us", "section_note"):
+    for key in ("fold_p50_us", "fold_p99_us", "sec_p50_us", "sec_p99_us", "section_note"):
         if key in s:
             out[key] = s[key]
     return out
@@ -490,6 +492,38 @@ def footprint(ctx: Context, launcher: str, tag: str) -> Result:
     return {"cpu_pct": round(100 * (cpu1 - cpu0) / (t1 - t0), 2),
             "rss_mb": round(rss / 2**20, 1), "pss_mb": round(pss / 2**20, 1),
             "processes": len(side)}
+
+
+# -- 6. launcher CPU while ranks train --------------------------------------------------
+
+
+def training(ctx: Context, launcher: str, tag: str) -> Result:
+    """Launcher-side CPU while ``nproc`` ranks train, a heartbeat per step (``cpu_pct``),
+    and in a second run with each step in a section as well (``sections_cpu_pct``; clients
+    that have sections)."""
+    out: Result = {}
+    for key, extra in (("", []), ("sections_", ["--sections"])):
+        if extra and launcher == "torchrun":
+            continue
+        out.update({f"{key}{k}": v for k, v in _training_cpu(ctx, launcher, f"{tag}{key}",
+                                                              extra).items()})
+    return out
+
+
+def _training_cpu(ctx: Context, launcher: str, tag: str, extra: list[str]) -> Result:
+    s = ctx.settings
+    with ctx.run(tag, launcher, s.nproc, 0, ctx.train_args(ENDLESS_STEPS) + extra) as run:
+        failed = _start_and_wait(run, ctx, s.nproc)
+        if failed:
+            return {"cpu_pct": None, **failed}
+        run.sleep_until(time.time() + s.settle_s + 1.0)  # past DDP's first-step work
+        assert run.proc is not None
+        side = _launcher_side(run.proc.pid, run.worker_pids())
+        cpu0, t0 = _cpu_seconds(side), time.monotonic()
+        time.sleep(s.footprint_window_s)
+        cpu1, t1 = _cpu_seconds(side), time.monotonic()
+        load = os.getloadavg()[0]
+    return {"cpu_pct": round(100 * (cpu1 - cpu0) / (t1 - t0), 2), "load": round(load, 2)}
 
 
 def _launcher_side(launcher_pid: int, workers: set[int]) -> list[psutil.Process]:

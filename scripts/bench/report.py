@@ -29,6 +29,8 @@ class Metric:
 METRICS = [
     Metric("heartbeat", "p50_us", "send_heartbeat() p50", "µs", digits=1),
     Metric("heartbeat", "p99_us", "send_heartbeat() p99", "µs", digits=1),
+    Metric("heartbeat", "fold_p50_us", "send_heartbeat() p50, back to back (ours: folded)",
+           "µs", digits=2),
     Metric("heartbeat", "sec_p50_us", "section open+close p50", "µs", digits=1),
     Metric("heartbeat", "sec_p99_us", "section open+close p99", "µs", digits=1),
     Metric("hang", "excess_ms", "hang verdict − SIGSTOP − 2 s timeout", "ms", ratio=False,
@@ -44,6 +46,9 @@ METRICS = [
            "% of a core"),
     Metric("footprint", "pss_mb", "launcher-side PSS, same", "MB", digits=0),
     Metric("footprint", "rss_mb", "launcher-side RSS, same", "MB", digits=0),
+    Metric("training", "cpu_pct", "launcher-side CPU, 2 ranks training, a heartbeat a step",
+           "% of a core"),
+    Metric("training", "sections_cpu_pct", "same, each step also in a section", "% of a core"),
     Metric("goodput", "goodput", "goodput: fault-free wall ÷ wall with a kill and a hang", "",
            better="higher"),
     Metric("goodput", "faulted_wall_s", "wall time with a kill and a hang", "s"),
