@@ -411,7 +411,7 @@ _FOLDING_PREFIX = _stamped_prefix(HEARTBEAT, folds=True)
 # monitor then allows a folded, unseen last heartbeat for: a heartbeat deadline is
 # HEARTBEAT_FOLD_S later for a rank whose last heartbeat said ``folds``. A rank that never
 # beats that fast is judged exactly as before, and no verdict ever comes early.
-HEARTBEAT_FOLD_S = 0.1
+HEARTBEAT_FOLD_S = 0.04
 
 
 def heartbeat_frame(t: float, folds: bool = False) -> bytes:

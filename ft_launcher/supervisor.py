@@ -661,9 +661,10 @@ class Supervisor:
         Returns the verdict about the culprit (it may differ from the rank whose deadline
         expired first: in a collective, every rank goes silent with the one that stopped).
         """
-        detected_at = time.time()
+        detected_at, checked = time.time(), time.monotonic()
         texts = self._dump_stacks(group)
-        silent = self.monitor.liveness.silent_ranks(verdict, time.monotonic())
+        # Silences as of the verdict, not after the stacks were taken (tens of ms).
+        silent = self.monitor.liveness.silent_ranks(verdict, checked)
         alive = {w.rank: w for w in group.alive()}
         suspects = [blame.Suspect(rank, age, stacks.is_stopped(alive[rank].pid),
                                   blame.in_collective(texts.get(rank)))
