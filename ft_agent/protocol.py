@@ -316,7 +316,7 @@ def decode(frame: bytes) -> dict[str, Any]:
 # a fixed prefix and a stamp. The prefixes of such frames that once decoded in full are
 # kept, in the encoder's canonical form, with the message they start; a frame that is such
 # a prefix, a plain JSON number and "}" is that message with that stamp, checked as the
-# full decoder would check it, without the JSON decoder (a fifth of its cost). Anything
+# full decoder would check it, without the JSON decoder (a third of its cost). Anything
 # else, a device time included, takes the full path.
 _STAMP_KEY = b'"t":'
 _JSON_NUMBER = re.compile(rb"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?")
