@@ -321,7 +321,7 @@ def decode(frame: bytes) -> dict[str, Any]:
 _STAMP_KEY = b'"t":'
 _JSON_NUMBER = re.compile(rb"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?")
 _STAMPED: dict[bytes, dict[str, Any]] = {}
-MAX_STAMPED = 256  # prefixes kept (one per section name and kind); a flood adds no more
+MAX_STAMPED = 256  # prefixes kept (one per section name and kind); then they start again
 
 
 def _stamped_prefix(kind: str, **fields: Any) -> bytes:
@@ -346,8 +346,10 @@ def _decode_stamped(frame: bytes) -> dict[str, Any] | None:
 
 
 def _remember_stamped(msg: dict[str, Any]) -> None:
-    if len(_STAMPED) >= MAX_STAMPED or "dev" in msg or "t" not in msg:
+    if "dev" in msg or "t" not in msg:
         return
+    if len(_STAMPED) >= MAX_STAMPED:  # names made up per step: the hot ones come back at once
+        _STAMPED.clear()
     fields = {k: v for k, v in msg.items() if k not in ("v", "k", "t")}
     _STAMPED[_stamped_prefix(msg["k"], **fields)] = {"v": VERSION, "k": msg["k"], **fields}
 

@@ -1,6 +1,6 @@
 """Benchmark ft_launcher against torchrun and NVRx's ft_launcher on the same CPU workload.
 
-    python scripts/bench/bench.py                      # full run (~20 min on 2 cores)
+    python scripts/bench/bench.py                      # full run (~35 min on 2 cores)
     python scripts/bench/bench.py --quick              # shorter: 3 runs, tighter bounds
     python scripts/bench/bench.py --only heartbeat,hang --launchers ours,nvrx --repeat 3
 
