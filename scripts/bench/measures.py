@@ -483,15 +483,10 @@ def footprint(ctx: Context, launcher: str, tag: str) -> Result:
             return {"cpu_pct": None, "rss_mb": None, "pss_mb": None,
                     "note": f"{len(run.events('ready'))}/{n} ranks ready"}
         run.sleep_until(time.time() + s.settle_s)
-        assert run.proc is not None
-        side = _launcher_side(run.proc.pid, run.worker_pids())
-        cpu0, t0 = _cpu_seconds(side), time.monotonic()
-        time.sleep(s.footprint_window_s)
-        cpu1, t1 = _cpu_seconds(side), time.monotonic()
+        cpu_pct, side = _launcher_cpu(run, s.footprint_window_s)
         rss, pss = _memory(side)
-    return {"cpu_pct": round(100 * (cpu1 - cpu0) / (t1 - t0), 2),
-            "rss_mb": round(rss / 2**20, 1), "pss_mb": round(pss / 2**20, 1),
-            "processes": len(side)}
+    return {"cpu_pct": cpu_pct, "rss_mb": round(rss / 2**20, 1),
+            "pss_mb": round(pss / 2**20, 1), "processes": len(side)}
 
 
 # -- 6. launcher CPU while ranks train --------------------------------------------------
@@ -517,13 +512,20 @@ def _training_cpu(ctx: Context, launcher: str, tag: str, extra: list[str]) -> Re
         if failed:
             return {"cpu_pct": None, **failed}
         run.sleep_until(time.time() + s.settle_s + 1.0)  # past DDP's first-step work
-        assert run.proc is not None
-        side = _launcher_side(run.proc.pid, run.worker_pids())
-        cpu0, t0 = _cpu_seconds(side), time.monotonic()
-        time.sleep(s.footprint_window_s)
-        cpu1, t1 = _cpu_seconds(side), time.monotonic()
+        cpu_pct, _ = _launcher_cpu(run, s.footprint_window_s)
         load = os.getloadavg()[0]
-    return {"cpu_pct": round(100 * (cpu1 - cpu0) / (t1 - t0), 2), "load": round(load, 2)}
+    return {"cpu_pct": cpu_pct, "load": round(load, 2)}
+
+
+def _launcher_cpu(run: Run, window_s: float) -> tuple[float, list[psutil.Process]]:
+    """% of a core the launcher side of ``run`` used over the next ``window_s``, and
+    those processes."""
+    assert run.proc is not None
+    side = _launcher_side(run.proc.pid, run.worker_pids())
+    cpu0, t0 = _cpu_seconds(side), time.monotonic()
+    time.sleep(window_s)
+    cpu1, t1 = _cpu_seconds(side), time.monotonic()
+    return round(100 * (cpu1 - cpu0) / (t1 - t0), 2), side
 
 
 def _launcher_side(launcher_pid: int, workers: set[int]) -> list[psutil.Process]:
