@@ -299,6 +299,10 @@ class StandbyPool:
         self._store_requested = False
         self._store_failed = False
         self._dying: list[ChildProcess] = []  # killed store hosts not reaped yet
+        # The first cycle's workers come from the zygote's forks (see first_cycle_waits),
+        # so the zygote imports at full priority from its start.
+        self.warm_first_cycle = self.enabled and self._forks_expected()
+        self._first_cycle = True
         if (self.enabled or self.stores_only) and self.entry is not None:
             self._start_zygote()
 
@@ -335,8 +339,28 @@ class StandbyPool:
         return Worker(spec=spec, proc=sb.proc, started_at=time.time(),  # type: ignore[arg-type]
                       _pump=sb.pump, warm=True)
 
+    def first_cycle_waits(self) -> bool:
+        """Whether the first cycle's workers should still wait for standbys (``tick`` brings
+        them): the zygote is importing the preloads, forking a standby per local rank, or
+        (one node) starting the cycle store. Then the workers start from its forks and the
+        node imports torch once, instead of once per rank and once more for the zygote:
+        on busy cores that import is what warm restart cost a clean run. False once the
+        first cycle started, and whenever forking is out (the workers then start cold)."""
+        zygote = self.zygote
+        if not (self._first_cycle and self.warm_first_cycle and self.enabled
+                and zygote is not None):  # None: it fell back, or never started
+            return False
+        if not zygote.ready:
+            return True
+        for local_rank in range(self.cfg.nproc_per_node):
+            sb = self.standbys.get(local_rank)
+            if sb is None or sb.ready_at is None or sb.told_pid is None:
+                return True
+        return self._store_requested and self.cfg.max_nodes == 1
+
     def cycle_started(self) -> None:
         """The cycle's workers are up (spawned standbys wait until it runs, see ``tick``)."""
+        self._first_cycle = False
         self._cycle_start = time.monotonic()
         self._release_events()
         if self.enabled and self.entry is None:
@@ -475,9 +499,10 @@ class StandbyPool:
                            "(prctl PR_SET_CHILD_SUBREAPER failed)")
             return
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        idle = not self.warm_first_cycle
         argv = [*self.entry.interpreter, "-c", ZYGOTE_BOOTSTRAP, secrets.token_hex(8),
                 str(self.cfg.run_dir.absolute()), self.entry.sys_path0(),
-                ",".join(self._preload()), str(os.getpid())]
+                ",".join(self._preload()), str(os.getpid()), "idle" if idle else "normal"]
         self.log_dir.mkdir(parents=True, exist_ok=True)
         sink = Sink(open_log(self.log_dir / "zygote.log"), None, label="zygote")
         try:
@@ -491,14 +516,15 @@ class StandbyPool:
             return
         finally:
             theirs.close()
-        try:  # idle from its first instruction (it also sets this itself, a little later)
-            os.sched_setscheduler(proc.pid, os.SCHED_IDLE, os.sched_param(0))
-        except (AttributeError, OSError):
-            pass
+        if idle:  # from its first instruction (it also sets this itself, a little later)
+            try:
+                os.sched_setscheduler(proc.pid, os.SCHED_IDLE, os.sched_param(0))
+            except (AttributeError, OSError):
+                pass
         ours.setblocking(False)
         assert proc.stdout is not None
         pump = OutputPump(proc.stdout, sink, name="ft-zygote-log").start()
-        self.zygote = _Zygote(proc, ours, pump, time.monotonic())
+        self.zygote = _Zygote(proc, ours, pump, time.monotonic(), raised=not idle)
         log.debug("zygote spawned: pid %d", proc.pid)
 
     def _zygote_messages(self) -> None:
@@ -589,6 +615,15 @@ class StandbyPool:
 
     def _preload(self) -> list[str]:
         return ["torch"] if self.stores_only else self.cfg.ft.preload
+
+    def _forks_expected(self) -> bool:
+        """Whether the zygote is expected to be safe to fork, so that the first cycle may
+        wait for it. torch starts its OpenMP pool at import unless ``OMP_NUM_THREADS`` is
+        1 (the launcher sets that for several local ranks, as torchrun does): the zygote
+        would then fall back after its whole import, and waiting for it would only have
+        delayed the start. Other unsafe preloads are found out by the zygote."""
+        return self.entry is not None and (
+            "torch" not in self.cfg.ft.preload or self.env.get("OMP_NUM_THREADS") == "1")
 
     def _emit(self, name: str, **fields: Any) -> None:
         if self._held is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import select
 import shutil
 import signal
 import socket
@@ -68,6 +69,10 @@ MAX_JUDGE_DELAY_S = 10.0
 STRAGGLER_WARMUP_STEPS = 5
 # A rank still working this long after the stop signal ignores it, and is killed at once.
 IGNORE_GRACE_S = 0.5
+# The first cycle waits this long at most for the warm-restart zygote's forks (its import
+# of torch takes seconds); ranks without a ready standby then start cold.
+FIRST_CYCLE_WAIT_S = 60.0
+STANDBY_POLL_S = 0.01  # standbys say they are ready on a pump thread: polled while waiting
 
 
 class _Interrupted(Exception):
@@ -273,6 +278,10 @@ class Supervisor:
             for failure in health.failures:
                 self.event("health_check_failed", **failure.event_fields())
             return CycleResult(self.cycle, Outcome.UNHEALTHY, reason=health.summary())
+        signum = self._await_standbys()
+        if signum is not None:
+            self.event("signal_received", signal=signal.Signals(signum).name)
+            return CycleResult(self.cycle, Outcome.SIGNALED, signum=signum)
         self._blocking = True
         try:
             rnd = self.rdzv.next_round()
@@ -509,6 +518,24 @@ class Supervisor:
                     # ranks are gone from the collectives, so the round re-forms without it.
                     self.event("peers_waiting", waiting=view.waiting, lost=list(view.lost))
                     return CycleResult(self.cycle, Outcome.PEER_CHANGED)
+
+    def _await_standbys(self) -> int | None:
+        """Before the first cycle with warm restart: wait until the zygote forked a ready
+        standby per local rank (``StandbyPool.first_cycle_waits``), at most
+        ``FIRST_CYCLE_WAIT_S``. Returns a terminating signal that arrived meanwhile."""
+        deadline = time.monotonic() + FIRST_CYCLE_WAIT_S
+        while self.standbys.first_cycle_waits():
+            signum = next((s for s in self._pending if s in FORWARDED_SIGNALS), None)
+            if signum is not None:
+                return signum
+            if time.monotonic() >= deadline:
+                log.warning("cycle %d: standbys not ready after %.0f s; ranks without one "
+                            "start cold", self.cycle, FIRST_CYCLE_WAIT_S)
+                return None
+            select.select([self._wake_r], [], [], STANDBY_POLL_S)
+            self._drain_wakeups()
+            self.standbys.tick(True)
+        return None
 
     def _polls(self) -> bool:
         """Whether something must be polled every ``--monitor-interval``: other nodes (the

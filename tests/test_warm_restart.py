@@ -47,12 +47,20 @@ def _ready(run_dir: Path, cycle: int | None = None) -> list[dict]:
             if cycle is None or e["cycle"] == cycle]
 
 
+def _spares(run_dir: Path) -> list[dict]:
+    """``standby_ready`` of the standbys not taken as workers (the first cycle's workers
+    are standbys too: each is reported ready just before its cycle starts)."""
+    evs = events(run_dir)
+    taken = {pid for e in named(evs, "workers_started") for pid in e["pids"]}
+    return [e for e in named(evs, "standby_ready") if e["pid"] not in taken]
+
+
 # -- 1. same training results, warm or cold -----------------------------------------------
 
 
 def _train_and_kill_rank1(run_dir: Path, warm: bool) -> dict[tuple[int, int], str]:
     """train_ddp with 2 ranks; SIGKILL rank 1 once a checkpoint exists (and, warm, once both
-    standbys are ready); return (rank, step) -> loss over every cycle's log."""
+    spare standbys are ready); return (rank, step) -> loss over every cycle's log."""
     flags = ["--ft-warm-restart"] if warm else []
     cmd = launcher_cmd(run_dir, "--nproc-per-node", "2", "--max-restarts", "1", *flags,
                        str(EXAMPLES / "train_ddp.py"), "--steps", "300", "--ckpt-every", "10",
@@ -62,7 +70,7 @@ def _train_and_kill_rank1(run_dir: Path, warm: bool) -> dict[tuple[int, int], st
     try:
         wait_for((run_dir / "ckpt" / "iteration").exists, 60, "the first checkpoint")
         if warm:
-            wait_for(lambda: len(_ready(run_dir, 0)) == 2, 60, "two ready standbys")
+            wait_for(lambda: len(_spares(run_dir)) == 2, 60, "two ready standbys")
         pid = named(events(run_dir), "workers_started")[0]["pids"][1]
         os.kill(pid, signal.SIGKILL)
         out, _ = proc.communicate(timeout=90)
@@ -71,7 +79,8 @@ def _train_and_kill_rank1(run_dir: Path, warm: bool) -> dict[tuple[int, int], st
     assert proc.returncode == 0, out
     assert summary(run_dir)["restarts"] == 1
     started = named(events(run_dir), "workers_started")
-    assert [e["warm"] for e in started] == [[False, False], [warm, warm]]
+    # Warm: the first cycle's workers are the zygote's forks too.
+    assert [e["warm"] for e in started] == [[warm, warm], [warm, warm]]
     losses: dict[tuple[int, int], set[str]] = {}
     for log in sorted((run_dir / "logs").glob("cycle_*/rank_*.log")):
         for rank, _cycle, step, loss in LOSS_LINE.findall(log.read_text()):
@@ -92,7 +101,7 @@ def test_warm_restart_trains_exactly_like_a_cold_restart(tmp_path, run_dir):
     finally:
         wait_for(lambda: not processes_of(cold_dir), 10, "the cold run's processes to end")
     warm = _train_and_kill_rank1(warm_dir, warm=True)
-    # Every step of the warm run's restarted cycle, on both ranks, was computed by the cold
+    # Every step of the warm run (forked workers in both cycles) was computed by the cold
     # run too (before or after its own restart): the losses must be the same to the digit.
     warm_cycle1 = {(int(r), int(s)) for log in (warm_dir / "logs" / "cycle_1").glob("*.log")
                    for r, _c, s, _l in LOSS_LINE.findall(log.read_text())}
@@ -119,7 +128,8 @@ os.chdir("/")
 '''
 
 SEMANTICS = '''
-"""Records what it sees; cycle 0 and 1 fail once the standbys are ready, cycle 2 ends 0."""
+"""Records what it sees; cycle 0 and 1 fail once spare standbys are ready, cycle 2 ends 0
+(so does a run whose last argument is "cold")."""
 import sys
 
 MODULES = sorted(m for m in sys.modules if m.startswith(("json", "ft_", "preload_")))
@@ -151,7 +161,7 @@ cycle, rank = int(os.environ["FT_CYCLE"]), int(os.environ["RANK"])
 (run_dir / f"facts_{cycle}_{rank}.json").write_text(json.dumps(facts))
 print(f"hello from rank {rank} cycle {cycle}", flush=True)
 print(f"stderr of rank {rank} cycle {cycle}", file=sys.stderr, flush=True)
-if cycle == 2:
+if cycle == 2 or sys.argv[-1] == "cold":
     sys.exit(0)
 
 from ft_agent import RankMonitorClient  # noqa: E402
@@ -160,10 +170,10 @@ ft = RankMonitorClient()
 ft.init_workload_monitoring()
 ft.send_heartbeat()  # every rank training: the launcher may spawn standbys now
 deadline = time.monotonic() + 60
-while time.monotonic() < deadline:
-    ready = [e for e in map(json.loads, (run_dir / "events.jsonl").read_text().splitlines())
-             if e["event"] == "standby_ready" and e["cycle"] == cycle]
-    if len(ready) >= 2:
+while time.monotonic() < deadline:  # spares: ready and not taken as a worker
+    evs = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    taken = {p for e in evs if e["event"] == "workers_started" for p in e["pids"]}
+    if len([e for e in evs if e["event"] == "standby_ready" and e["pid"] not in taken]) >= 2:
         break
     time.sleep(0.05)
 if rank == 1:
@@ -188,6 +198,12 @@ def test_warm_worker_sees_a_fresh_process(tmp_path, run_dir, mode):
         cwd, target = work, "semantics_mod"
         entry = ["-m", target]
         main_file = str(work / "semantics_mod.py")
+    # What a fresh process sees: the same launch without warm restart (it exits at once).
+    cold_dir = tmp_path / "cold_run"
+    cold_run = subprocess.run(launcher_cmd(cold_dir, "--nproc-per-node", "2", *entry, "cold"),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              cwd=cwd, timeout=60)
+    assert cold_run.returncode == 0, cold_run.stdout
     cmd = launcher_cmd(run_dir, "--nproc-per-node", "2", "--max-restarts", "2",
                        "--ft-warm-restart", "--ft-preload", "json,preload_misbehaves",
                        "--workers-stop-timeout", "5", *entry, "--flag", "x y")
@@ -197,13 +213,13 @@ def test_warm_worker_sees_a_fresh_process(tmp_path, run_dir, mode):
     assert "[rank1]: hello from rank 1 cycle 1" in proc.stdout  # echoed like a cold worker's
     assert "preload says hi" not in proc.stdout
     evs = events(run_dir)
-    assert [e["warm"] for e in named(evs, "workers_started")] == \
-        [[False, False], [True, True], [True, True]]
+    # Every cycle's workers are the zygote's forks, the first cycle's too.
+    assert [e["warm"] for e in named(evs, "workers_started")] == [[True, True]] * 3
     ready = named(evs, "standby_ready")
     for rank in (0, 1):
-        cold = json.loads((run_dir / f"facts_0_{rank}.json").read_text())
+        cold = json.loads((cold_dir / f"facts_0_{rank}.json").read_text())
         assert "json" not in cold["modules"]
-        for cycle in (1, 2):
+        for cycle in (0, 1, 2):
             f = json.loads((run_dir / f"facts_{cycle}_{rank}.json").read_text())
             assert f["argv"] == [main_file if mode == "module" else target, "--flag", "x y"]
             assert f["name"] == "__main__" and f["main_file"] == main_file
@@ -266,8 +282,8 @@ def test_dead_standby_is_replaced_and_none_survives_launcher_sigkill(tmp_path, r
                        "--ft-preload", "json", str(script))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT)
     try:
-        first = wait_for(lambda: sorted(_ready(run_dir), key=lambda e: e["local_rank"])
-                         if len(_ready(run_dir)) == 2 else None, 30, "two ready standbys")
+        first = wait_for(lambda: sorted(_spares(run_dir), key=lambda e: e["local_rank"])
+                         if len(_spares(run_dir)) == 2 else None, 30, "two ready standbys")
         assert all(e["rss_mb"] > 0 and e["pss_mb"] > 0 for e in first)
         # The launcher's environment, no rank yet; the workers' thread count (libraries read
         # it when they load, before activation could change it).
@@ -279,7 +295,8 @@ def test_dead_standby_is_replaced_and_none_survives_launcher_sigkill(tmp_path, r
         died = wait_for(lambda: named(events(run_dir), "standby_died"), 10, "standby_died")
         assert died == [{**died[0], "local_rank": 1, "pid": victim, "signal": "SIGKILL",
                          "exit_code": None, "was_ready": True}]
-        again = wait_for(lambda: [e for e in _ready(run_dir)[2:] if e["local_rank"] == 1],
+        again = wait_for(lambda: [e for e in _spares(run_dir)
+                                  if e["local_rank"] == 1 and e["pid"] != victim],
                          30, "a replacement standby")
         assert again[0]["pid"] != victim and psutil.pid_exists(again[0]["pid"])
         standbys = [first[0]["pid"], again[0]["pid"]]
@@ -338,11 +355,15 @@ def test_zygote_forks_standbys_fast_and_refills_them_after_each_restart(tmp_path
         zygote = wait_for(lambda: named(events(run_dir), "zygote_ready"), 60, "the zygote")
         assert zygote[0]["threads"] == 1
         pids: list[int] = [zygote[0]["pid"]]
+        # The first cycle's workers are the zygote's first forks.
+        first = wait_for(lambda: named(events(run_dir), "workers_started"), 30, "cycle 0")
+        assert first[0]["warm"] == [True, True]
         for cycle in (0, 1, 2):
-            # The first standbys come once the zygote is ready; after a restart the used ones
-            # are replaced at once, so a second fault soon after finds standbys again.
-            ready = wait_for(lambda c=cycle: _ready(run_dir, c) if len(_ready(run_dir, c)) >= 2
-                             else None, 30 if cycle == 0 else 10, f"standbys in cycle {cycle}")
+            # Once a cycle's ranks train, the standbys it used are replaced at once, so a
+            # second fault soon after a restart finds standbys again.
+            ready = wait_for(lambda: _spares(run_dir) if len(_spares(run_dir)) >= 2 else None,
+                             10, f"spare standbys in cycle {cycle}")
+            assert {e["cycle"] for e in ready} == {cycle}
             assert sorted(e["local_rank"] for e in ready) == [0, 1]
             assert all(e["forked"] and e["ready_s"] < 1.0 for e in ready), ready
             pids += [e["pid"] for e in ready]
@@ -398,6 +419,70 @@ def test_preload_that_starts_a_thread_falls_back_to_spawned_standbys(tmp_path, r
     ready = named(evs, "standby_ready")
     assert len(ready) >= 2 and not any(e["forked"] for e in ready)
     assert [e["warm"] for e in named(evs, "workers_started")] == [[False, False], [True, True]]
+
+
+def test_sigterm_while_the_first_cycle_waits_for_the_zygote(tmp_path, run_dir):
+    """The first cycle waits for the zygote's forks; a scheduler's SIGTERM during that wait
+    ends the launcher at once (exit 143), with no worker started and no process left."""
+    script = tmp_path / "never_runs.py"
+    script.write_text("raise SystemExit('started')\n")
+    cmd = launcher_cmd(run_dir, "--nproc-per-node", "2", "--ft-warm-restart",
+                       "--ft-preload", "json,slow_import", str(script))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(SCRIPTS)})
+    try:
+        wait_for(lambda: (run_dir / "logs" / "standby" / "zygote.log").exists(), 30,
+                 "the zygote")
+        zygote = wait_for(lambda: [p for p in processes_of(run_dir)
+                                   if "worker_side.zygote" in " ".join(p.info["cmdline"])],
+                          30, "the zygote's process")[0].pid
+        # Importing at full speed: the first cycle waits for it.
+        assert os.sched_getscheduler(zygote) == os.SCHED_OTHER
+        os.kill(proc.pid, signal.SIGTERM)
+        out, _ = proc.communicate(timeout=10)
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert proc.returncode == 128 + signal.SIGTERM, out
+    evs = events(run_dir)
+    assert [e["signal"] for e in named(evs, "signal_received")] == ["SIGTERM"]
+    assert not named(evs, "workers_started") and not named(evs, "rendezvous_done")
+    wait_for(lambda: _gone([zygote]), 5, "the zygote to die")
+
+
+def test_the_first_cycle_waits_only_for_a_zygote_expected_safe(tmp_path, monkeypatch):
+    """torch's OpenMP pool makes a zygote unsafe to fork unless OMP_NUM_THREADS=1 (the
+    launcher sets it for several local ranks): the first cycle does not wait for a zygote
+    that is bound to fall back, which then imports at idle priority as before."""
+    from ft_launcher.config import FaultToleranceConfig, LaunchConfig
+    from ft_launcher.standby import StandbyPool
+
+    script = tmp_path / "train.py"
+    script.write_text("pass\n")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    for nproc, preload, omp, waits in ((2, ["torch"], None, True),
+                                       (1, ["torch"], None, False),
+                                       (1, ["torch"], "1", True),
+                                       (1, ["torch"], "4", False),
+                                       (1, ["json"], None, True)):
+        if omp is None:
+            monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        else:
+            monkeypatch.setenv("OMP_NUM_THREADS", omp)
+        cfg = LaunchConfig(entrypoint=[sys.executable, "-u", str(script)], script_args=[],
+                           nproc_per_node=nproc, run_dir=tmp_path / "run",
+                           ft=FaultToleranceConfig(warm_restart=True, preload=preload))
+        pool = StandbyPool(cfg, tmp_path / "standby", lambda name, **f: None)
+        try:
+            case = (nproc, preload, omp)
+            assert pool.warm_first_cycle is waits, case
+            assert pool.first_cycle_waits() is waits, case  # the zygote is still importing
+            policy = os.sched_getscheduler(pool.zygote.proc.pid)
+            assert policy == (os.SCHED_OTHER if waits else os.SCHED_IDLE), case
+            pool.cycle_started()
+            assert not pool.first_cycle_waits()  # later cycles never wait
+        finally:
+            pool.close()
 
 
 def test_failing_preload_disables_warm_restart_once(tmp_path, run_dir):

@@ -3,14 +3,15 @@
 The launcher (``ft_launcher.standby``) starts this at its own start as
 
     python -u -c "from ft_launcher.worker_side.zygote import main; main()" \\
-        NONCE RUN_DIR SYS_PATH0 PRELOAD LAUNCHER_PID
+        NONCE RUN_DIR SYS_PATH0 PRELOAD LAUNCHER_PID PRIORITY
 
 with the interpreter and flags of a cold worker, in its own session, PDEATHSIG set (it dies
 with the launcher), stdout and stderr a pipe to the launcher's zygote log and fd 0 a
-``SOCK_SEQPACKET`` control socket to the launcher. It runs under ``SCHED_IDLE`` until the
-launcher raises it (so its imports never slow a cycle's start), imports the PRELOAD modules
-once and checks that forking is safe: one thread in the process, no CUDA context
-(``torch.cuda.is_initialized()`` when torch is loaded, no ``libcuda`` mapped, no
+``SOCK_SEQPACKET`` control socket to the launcher. With PRIORITY ``idle`` it runs under
+``SCHED_IDLE`` until the launcher raises it (so its imports never slow a cycle's start);
+with ``normal`` the first cycle waits for its forks and it imports at full speed. It imports
+the PRELOAD modules once and checks that forking is safe: one thread in the process, no CUDA
+context (``torch.cuda.is_initialized()`` when torch is loaded, no ``libcuda`` mapped, no
 ``/dev/nvidia*`` open). Then it tells the launcher one of, as a packet on the socket:
 
 - ``ready IMPORT_S THREADS``: fork requests are welcome;
@@ -208,14 +209,15 @@ def _handle(ctl, request: str, fds: list[int], launcher: int,
 
 def main() -> None:
     """Entry point of the zygote (see the module docstring)."""
-    _nonce, _run_dir, path0, preload, launcher = sys.argv[1:6]
+    _nonce, _run_dir, path0, preload, launcher, priority = sys.argv[1:7]
     started = time.monotonic()
     signals = standby.initial_signals()
     ctl_fd = os.dup(0)
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
-    _set_policy("SCHED_IDLE")  # the launcher raises it once the cycle trains
+    if priority == "idle":
+        _set_policy("SCHED_IDLE")  # the launcher raises it once the cycle trains
     sys.path[0] = path0
     failure = standby.import_preloads([m for m in preload.split(",") if m])
     preloaded = set(sys.modules)
