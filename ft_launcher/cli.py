@@ -133,7 +133,8 @@ FT_OPTIONS = [
     ("--ft-checkpoint-iteration-file", "checkpoint_iteration_file",
      "File holding the last checkpointed iteration (written by the training)."),
     ("--ft-warm-restart/--no-ft-warm-restart", "warm_restart",
-     "Keep standby workers with imports done, forked from a zygote."),
+     "Start workers from standbys with the preloads imported, forked from one zygote per "
+     "node: the first cycle's workers, and a restart's in well under a second [off]."),
     ("--ft-preload", "preload", "Modules standby workers import [torch]."),
     ("--ft-agent-store/--no-ft-agent-store", "agent_store",
      "One node: host each cycle's TCPStore in a process listening before the workers "

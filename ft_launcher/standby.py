@@ -9,13 +9,17 @@ interpreter start and the imports. Local ranks without a ready standby start col
 Where standbys come from:
 
 - **The zygote** (``worker_side/zygote.py``): one process per node, spawned when the pool is
-  created (at launcher start), that imports the preloads once, under ``SCHED_IDLE`` until
-  the first cycle trains (``tick(True)``) or ``SPAWN_DELAY_S`` passed, so it never slows a
-  cycle's start. Once it is ready (``zygote_ready``) it forks a standby per local rank, and a
-  fresh one whenever one dies or was taken for a restart (as soon as the new cycle's ranks
-  sent their first heartbeats, at most ``REFILL_DELAY_S`` later), so a second fault soon
-  after a restart finds standbys again. A forked standby shares the
-  imported pages copy-on-write and is ready in milliseconds. The launcher is a child
+  created (at launcher start), that imports the preloads once. Once it is ready
+  (``zygote_ready``) it forks a standby per local rank, and a fresh one whenever one dies or
+  was taken for a restart (as soon as the new cycle's ranks sent their first heartbeats, at
+  most ``REFILL_DELAY_S`` later), so a second fault soon after a restart finds standbys
+  again. A forked standby shares the imported pages copy-on-write and is ready in
+  milliseconds. The first cycle waits for them (``first_cycle_waits``), so its workers are
+  forks too and the node imports torch once: the zygote then imports at full priority.
+  Where forking is expected to be unsafe (torch preloaded and ``OMP_NUM_THREADS`` not 1:
+  torch's OpenMP pool starts at import) nothing waits, and the zygote imports under
+  ``SCHED_IDLE`` until the first cycle trains (``tick(True)``) or ``SPAWN_DELAY_S`` passed,
+  so it does not slow that cycle's start; it usually falls back then. The launcher is a child
   subreaper (``PR_SET_CHILD_SUBREAPER``) and adopts each standby, so a worker made from one
   is the launcher's own child like a cold worker (exit status, SIGCHLD, PDEATHSIG relative
   to the launcher), and the zygote's death costs no worker anything.
@@ -25,8 +29,10 @@ Where standbys come from:
   that imports the preloads itself, spawned once every rank of a cycle sent its first
   heartbeat (or ``SPAWN_DELAY_S`` passed), at most ``max(1, cores // 2)`` importing at once.
 
-Life cycle, driven by the supervisor's loop through four calls:
+Life cycle, driven by the supervisor's loop through five calls:
 
+- ``first_cycle_waits()``: before the first cycle, whether its start should wait (the
+  supervisor ticks meanwhile, bounded, and stops on a terminating signal);
 - ``take(spec)``: at a cycle's start, activate the local rank's ready standby (a Worker
   whose ``started_at`` is the activation time, so the initial-heartbeat clock starts then);
 - ``cycle_started()``: the cycle's workers were started;
@@ -449,9 +455,10 @@ class StandbyPool:
         so every rank is a client of a store that is up before any of them connects: none
         meets a refused connection and waits out the TCPStore client's back-off (0.5 s,
         then about 1 s, 2 s, ...) while rank 0 still sets up its own store. Single node
-        only: other nodes cannot know. None while no spare is ready (the first cycle,
-        usually: the zygote is still importing), without torch among the preloads, or with
-        warm restart off: rank 0 hosts the store as before. The previous cycle's store
+        only: other nodes cannot know. None while no spare is ready (the zygote is still
+        importing: a store-only zygote's first cycle, or a first cycle that did not wait),
+        without torch among the preloads, or with warm restart off: rank 0 hosts the store
+        as before. The previous cycle's store
         ends here (and in ``close``); each cycle gets a fresh one, so no key outlives it.
         """
         self._end_store()
