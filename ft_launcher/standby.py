@@ -458,8 +458,8 @@ class StandbyPool:
         only: other nodes cannot know. None while no spare is ready (the zygote is still
         importing: a store-only zygote's first cycle, or a first cycle that did not wait),
         without torch among the preloads, or with warm restart off: rank 0 hosts the store
-        as before. The previous cycle's store
-        ends here (and in ``close``); each cycle gets a fresh one, so no key outlives it.
+        as before. The previous cycle's store ends here (and in ``close``); each cycle gets
+        a fresh one, so no key outlives it.
         """
         self._end_store()
         if self.spare_store is None:
