@@ -57,7 +57,7 @@ CLIENT_MEASURES = ("heartbeat", "footprint")
 # Warm restart changes only what happens at a restart: ours-warm runs where one happens.
 # Its fault-free goodput runs stay (its goodput is its own fault-free wall over its faulted
 # wall, and the standbys' imports during the clean run are part of its cost).
-WARM_KINDS = ("crash", "faulted")
+WARM_KINDS = ("crash", "faulted", "clean")  # clean: start-up and goodput
 
 PROFILES: dict[str, Settings] = {
     "full": Settings(),
@@ -148,16 +148,15 @@ def method(s: Settings) -> list[str]:
         f"--ft-enable-nic-monitor false. Heartbeat timeout {measures.HB_TIMEOUT_S:g} s for "
         f"ours and NVRx (initial timeout {measures.INITIAL_TIMEOUT_S:g} s); every other "
         "option at its default (NVRx's workload_check_interval is 5 s).",
-        f"ours-warm = ours with --ft-warm-restart --ft-preload {s.warm_preload}: one standby "
-        "interpreter per local rank, spawned once every rank of a cycle sent its first "
-        "heartbeat (one importing at a time here), takes over a rank at the next restart "
-        "(DDP imports torch._dynamo when it is built, hence the second module). It is "
-        "measured only where a restart happens (crash, goodput); heartbeat, hang, startup "
-        "and footprint take the same launcher code path as ours (the standbys are spawned "
-        "after the first heartbeats and do not touch the monitor), so those cells are —; "
-        "what it adds is memory: each idle standby holds its imports (the crash runs "
-        "record the standbys' RSS and PSS from standby_ready as standby_rss_mb and "
-        "standby_pss_mb). "
+        f"ours-warm = ours with --ft-warm-restart --ft-preload {s.warm_preload}: one zygote "
+        "per node imports those modules once and forks the first cycle's workers (the "
+        "first cycle waits for it) and then one standby per local rank, which takes over "
+        "a rank at the next restart (DDP imports torch._dynamo when it is built, hence the "
+        "second module). It is measured where it starts or restarts differently (crash, "
+        "startup, goodput); heartbeat, hang and footprint take the same launcher code path "
+        "as ours (the standbys do not touch the monitor), so those cells are —; the crash "
+        "runs record the standbys' RSS and PSS from standby_ready as standby_rss_mb and "
+        "standby_pss_mb. "
         "Before each fault the driver waits (at most "
         f"{s.standby_bound_s:g} s) until the launcher's events.jsonl holds a standby_ready "
         "for every local rank whose standby has not since been taken over or died; a run "
@@ -233,14 +232,13 @@ def _measure_plan(selected: list[str]) -> list[tuple[str, Callable[..., dict[str
     return plan
 
 
-def launchers_for(kind: str, launchers: list[str], selected: list[str]) -> list[str]:
+def launchers_for(kind: str, launchers: list[str]) -> list[str]:
     """Which of the selected launchers a run kind of ``_measure_plan`` is taken for."""
     out = []
     for x in launchers:
         if kind in CLIENT_MEASURES and x == "torchrun":
             continue
-        if x == measures.WARM and kind not in WARM_KINDS and not (
-                kind == "clean" and "goodput" in selected):
+        if x == measures.WARM and kind not in WARM_KINDS:
             continue
         out.append(x)
     return out
@@ -252,7 +250,7 @@ def run_all(ctx: Context, selected: list[str], launchers: list[str]
     raw: dict[str, dict[str, list[dict[str, Any]]]] = {}
     leftovers: list[str] = []
     for kind, fn in _measure_plan(selected):
-        names = launchers_for(kind, launchers, selected)
+        names = launchers_for(kind, launchers)
         if not names:
             continue
         raw[kind] = {x: [] for x in names}
@@ -282,10 +280,8 @@ def _derive(raw: dict[str, Any], selected: list[str]) -> dict[str, dict[str, lis
     out = {k: v for k, v in raw.items() if k not in ("clean", "faulted")}
     clean = raw.get("clean", {})
     if "startup" in selected:
-        # ours-warm starts exactly as ours does (standbys come after the first heartbeats).
         out["startup"] = {x: [{k: r.get(k) for k in ("startup_s", "spawn_s", "note") if k in r}
-                              for r in runs] for x, runs in clean.items()
-                          if x != measures.WARM}
+                              for r in runs] for x, runs in clean.items()}
     if "goodput" in selected:
         out["goodput"] = {}
         for x, runs in clean.items():
