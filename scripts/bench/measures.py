@@ -390,7 +390,8 @@ def _all_warm(flags: list[bool] | None) -> bool:
 
 
 def clean(ctx: Context, launcher: str, tag: str) -> Result:
-    """The fixed training without faults: start-up time and wall time."""
+    """The fixed training without faults: start-up time, wall time, and the end (``exit_s``:
+    the last rank's "done" record -> the launcher's exit; the workers' own exit is in it)."""
     s = ctx.settings
     workdir = ctx.root / tag
     with ctx.run(tag, launcher, s.nproc, 0, ctx.train_args(s.train_steps, workdir / "ckpt")
@@ -408,7 +409,8 @@ def clean(ctx: Context, launcher: str, tag: str) -> Result:
                         f"{done}/{s.nproc} ranks done)"}
     assert run.t_exit is not None
     return {"startup_s": round(startup, 4), "spawn_s": round(spawn, 4),
-            "wall_s": round(run.t_exit - run.t_start, 4)}
+            "wall_s": round(run.t_exit - run.t_start, 4),
+            "exit_s": round(run.t_exit - max(r["t"] for r in run.events("done")), 4)}
 
 
 # -- 6. goodput under faults ----------------------------------------------------------
