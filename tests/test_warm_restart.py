@@ -48,11 +48,16 @@ def _ready(run_dir: Path, cycle: int | None = None) -> list[dict]:
 
 
 def _spares(run_dir: Path) -> list[dict]:
-    """``standby_ready`` of the standbys not taken as workers (the first cycle's workers
-    are standbys too: each is reported ready just before its cycle starts)."""
+    """``standby_ready`` of the standbys not taken as workers. The first cycle's workers
+    are standbys too, each reported ready just before ``workers_started`` is written, so
+    nothing before that event is a spare."""
     evs = events(run_dir)
-    taken = {pid for e in named(evs, "workers_started") for pid in e["pids"]}
-    return [e for e in named(evs, "standby_ready") if e["pid"] not in taken]
+    started = [i for i, e in enumerate(evs) if e["event"] == "workers_started"]
+    if not started:
+        return []
+    taken = {pid for e in evs[started[0]:] if e["event"] == "workers_started"
+             for pid in e["pids"]}
+    return [e for e in named(evs[started[0]:], "standby_ready") if e["pid"] not in taken]
 
 
 # -- 1. same training results, warm or cold -----------------------------------------------
