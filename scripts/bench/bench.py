@@ -12,7 +12,7 @@ interleaved across launchers, so each repeat gives one pair of runs per launcher
 the same load; ratios are per pair.
 
 Launchers: ours, ours-warm (ours with --ft-warm-restart --ft-preload torch,torch._dynamo;
-only in crash and goodput, where a restart happens), torchrun, nvrx.
+only in crash, startup and goodput, where it starts or restarts differently), torchrun, nvrx.
 
 Writes ``results.json`` and ``RESULTS.md`` to ``--out`` (default: this folder). NVRx is
 installed on first use into ``.bench/nvrx-venv`` (see nvrx_env.py). Every process started is
@@ -54,10 +54,10 @@ ALL_MEASURES = ("heartbeat", "hang", "crash", "startup", "footprint", "training"
 ALL_LAUNCHERS = ("ours", measures.WARM, "torchrun", "nvrx")
 # torchrun has no heartbeat client and no monitor: nothing to measure for these two.
 CLIENT_MEASURES = ("heartbeat", "footprint")
-# Warm restart changes only what happens at a restart: ours-warm runs where one happens.
-# Its fault-free goodput runs stay (its goodput is its own fault-free wall over its faulted
-# wall, and the standbys' imports during the clean run are part of its cost).
-WARM_KINDS = ("crash", "faulted", "clean")  # clean: start-up and goodput
+# Warm restart changes how a cycle starts (the first cycle's workers and every restart's
+# come from the zygote): ours-warm runs where that shows. Its fault-free runs give its
+# start-up and the clean half of its goodput (its own fault-free wall over its faulted wall).
+WARM_KINDS = ("crash", "faulted", "clean")
 
 PROFILES: dict[str, Settings] = {
     "full": Settings(),

@@ -402,15 +402,15 @@ def clean(ctx: Context, launcher: str, tag: str) -> Result:
         startup = max(r["t"] for r in run.first_steps().values()) - run.t_start
         spawn = min(r["t"] for r in run.events("pid")) - run.t_start
         exited = run.wait_exit(s.goodput_bound_s)
-    done = len(run.events("done"))
-    if not exited or run.exit_code != 0 or done < s.nproc:
+    done = run.events("done")
+    if not exited or run.exit_code != 0 or len(done) < s.nproc:
         return {"startup_s": round(startup, 4), "spawn_s": round(spawn, 4), "wall_s": None,
                 "note": f"fault-free run did not finish (exit {run.exit_code}, "
-                        f"{done}/{s.nproc} ranks done)"}
+                        f"{len(done)}/{s.nproc} ranks done)"}
     assert run.t_exit is not None
     return {"startup_s": round(startup, 4), "spawn_s": round(spawn, 4),
             "wall_s": round(run.t_exit - run.t_start, 4),
-            "exit_s": round(run.t_exit - max(r["t"] for r in run.events("done")), 4)}
+            "exit_s": round(run.t_exit - max(r["t"] for r in done), 4)}
 
 
 # -- 6. goodput under faults ----------------------------------------------------------
