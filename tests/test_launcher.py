@@ -111,10 +111,16 @@ def test_restarts_exhausted_exits_1_and_keeps_worker_codes(run_dir):
 
 
 def _worker_pids(run_dir, n=2):
+    """The pids the sleepers wrote, once all ``n`` files are written (not just created)."""
     pids_dir = run_dir / "pids"
-    wait_for(lambda: pids_dir.exists() and len(list(pids_dir.iterdir())) == n, 60,
-             "workers to start")
-    return [int(p.read_text()) for p in sorted(pids_dir.iterdir())]
+
+    def written():
+        if not pids_dir.exists():
+            return None
+        texts = [p.read_text() for p in sorted(pids_dir.iterdir())]
+        return texts if len(texts) == n and all(t.strip() for t in texts) else None
+
+    return [int(t) for t in wait_for(written, 60, "workers to start")]
 
 
 def _gone(pids):
