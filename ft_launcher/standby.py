@@ -737,6 +737,35 @@ class StandbyPool:
         self.close()
 
 
+@dataclass
+class FirstCycleWait:
+    """How the wait for the first cycle's standbys ended: ready (neither field set), a
+    terminating signal (``signum``), or the time limit (``timed_out``)."""
+
+    signum: int | None = None
+    timed_out: bool = False
+
+
+def await_first_cycle(waits: Callable[[], bool], pause: Callable[[], None],
+                      pending_signal: Callable[[], int | None], limit_s: float,
+                      clock: Callable[[], float] = time.monotonic) -> FirstCycleWait:
+    """Wait while ``waits()`` (``StandbyPool.first_cycle_waits``), calling ``pause()``
+    (sleep a little, tick the pool) between looks, at most ``limit_s`` by ``clock``.
+
+    A stuck import must not hold the job forever (past the limit the ranks start cold),
+    and a stop signal must not wait for an import to finish (it ends the wait at once).
+    """
+    deadline = clock() + limit_s
+    while waits():
+        signum = pending_signal()
+        if signum is not None:
+            return FirstCycleWait(signum=signum)
+        if clock() >= deadline:
+            return FirstCycleWait(timed_out=True)
+        pause()
+    return FirstCycleWait()
+
+
 def _kill_group(proc: subprocess.Popen | ChildProcess, wait: bool = True) -> None:
     """SIGKILL a session leader's process group and (``wait``) reap the leader."""
     try:

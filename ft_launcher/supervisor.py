@@ -40,7 +40,7 @@ from ft_launcher.rendezvous import (
     StaticRendezvous,
 )
 from ft_launcher.rundir import RunDir
-from ft_launcher.standby import StandbyPool
+from ft_launcher.standby import StandbyPool, await_first_cycle
 from ft_launcher.status import StatusTimer, status_line
 from ft_launcher.straggler import DETECTED, StragglerDetector
 from ft_launcher.throttle import Throttle
@@ -523,19 +523,19 @@ class Supervisor:
         """Before the first cycle with warm restart: wait until the zygote forked a ready
         standby per local rank (``StandbyPool.first_cycle_waits``), at most
         ``FIRST_CYCLE_WAIT_S``. Returns a terminating signal that arrived meanwhile."""
-        deadline = time.monotonic() + FIRST_CYCLE_WAIT_S
-        while self.standbys.first_cycle_waits():
-            signum = next((s for s in self._pending if s in FORWARDED_SIGNALS), None)
-            if signum is not None:
-                return signum
-            if time.monotonic() >= deadline:
-                log.warning("cycle %d: standbys not ready after %.0f s; ranks without one "
-                            "start cold", self.cycle, FIRST_CYCLE_WAIT_S)
-                return None
+        def pause() -> None:
             select.select([self._wake_r], [], [], STANDBY_POLL_S)
             self._drain_wakeups()
             self.standbys.tick(True)
-        return None
+
+        wait = await_first_cycle(
+            self.standbys.first_cycle_waits, pause,
+            lambda: next((s for s in self._pending if s in FORWARDED_SIGNALS), None),
+            FIRST_CYCLE_WAIT_S)
+        if wait.timed_out:
+            log.warning("cycle %d: standbys not ready after %.0f s; ranks without one "
+                        "start cold", self.cycle, FIRST_CYCLE_WAIT_S)
+        return wait.signum
 
     def _polls(self) -> bool:
         """Whether something must be polled every ``--monitor-interval``: other nodes (the
@@ -697,12 +697,14 @@ class Supervisor:
                                   blame.in_collective(texts.get(rank)))
                     for rank, age in silent.items() if rank in alive]
         culprit = blame.choose(suspects) if suspects else None
+        expired = verdict
         if culprit is not None and culprit.rank != verdict.rank:
             r = self.monitor.liveness.ranks[culprit.rank]
             verdict = HangVerdict(culprit.rank, r.local_rank, verdict.timeout_kind,
                                   verdict.timeout_s, silent[culprit.rank])
         self.event("hang_detected", rank=verdict.rank, timeout_kind=verdict.timeout_kind,
                    timeout_s=verdict.timeout_s, silence_s=verdict.silence_s,
+                   expired_rank=expired.rank, expired_silence_s=expired.silence_s,
                    detected_at=round(detected_at, 6),
                    blame=culprit.why if culprit else "expired_first",
                    suspects=culprit.suspects if culprit else [])
@@ -774,6 +776,9 @@ class Supervisor:
             "host": self.host,
             "exit_code": decision.exit_code,
             "reason": decision.reason,
+            # How the last cycle ended: a scheduler wrapper tells a node's own failure from
+            # one caused by another node (rendezvous_lost: the store's host left).
+            "outcome": result.outcome.value if result is not None else None,
             "cycles": self.cycle + 1,
             "restarts": self.job.restarts,
             "faults": self.faults_seen,

@@ -490,6 +490,45 @@ def test_the_first_cycle_waits_only_for_a_zygote_expected_safe(tmp_path, monkeyp
             pool.close()
 
 
+class _FakeClock:
+    """Time that moves only when the wait pauses (each pause: 0.5 s)."""
+
+    def __init__(self):
+        self.now, self.pauses = 1000.0, 0
+
+    def __call__(self):
+        return self.now
+
+    def pause(self):
+        self.pauses += 1
+        self.now += 0.5
+
+
+def test_the_first_cycle_wait_is_bounded_and_ends_on_a_signal():
+    """A zygote stuck in its imports holds the first cycle exactly the limit (then its ranks
+    start cold); a stop signal ends the wait at the next look; ready standbys end it at once."""
+    from ft_launcher.standby import FirstCycleWait, await_first_cycle
+
+    clock = _FakeClock()
+    wait = await_first_cycle(lambda: True, clock.pause, lambda: None, 60.0, clock)
+    assert wait == FirstCycleWait(timed_out=True)
+    assert clock.now == 1060.0 and clock.pauses == 120
+
+    clock = _FakeClock()
+    signals = iter([None, None, None, signal.SIGTERM])
+    wait = await_first_cycle(lambda: True, clock.pause, lambda: next(signals), 60.0, clock)
+    assert wait == FirstCycleWait(signum=signal.SIGTERM) and clock.pauses == 3
+
+    clock = _FakeClock()
+    looks = iter([True, True, False])
+    wait = await_first_cycle(lambda: next(looks), clock.pause, lambda: None, 60.0, clock)
+    assert wait == FirstCycleWait() and clock.pauses == 2
+
+    clock = _FakeClock()
+    wait = await_first_cycle(lambda: False, clock.pause, lambda: signal.SIGTERM, 60.0, clock)
+    assert wait == FirstCycleWait() and clock.pauses == 0  # nothing to wait for: no wait
+
+
 def test_failing_preload_disables_warm_restart_once(tmp_path, run_dir):
     script = tmp_path / "wait_disabled.py"
     script.write_text(WAIT_FOR_DISABLED)

@@ -69,6 +69,12 @@ class NodeResult:
         return None if self.summary is None else _int(self.summary.get("exit_code"), 1)
 
     @property
+    def lost_rendezvous(self) -> bool:
+        """Its launcher failed because the rendezvous went away (another node's launcher,
+        hosting the store, exited first): a consequence, not a cause."""
+        return self.summary is not None and self.summary.get("outcome") == "rendezvous_lost"
+
+    @property
     def unneeded_spare(self) -> bool:
         """Exited 0 without ever running a worker: a hot spare the job did not need."""
         return self.code == 0 and self.summary is not None and self.summary.get("workers") == []
@@ -247,9 +253,11 @@ def _after_failure(inp: Inputs) -> Decision:
     """Some launcher failed: stop if one says so, else requeue without its bad nodes."""
     # The job's code is a failing node's own code (srun's status says less), preferring one
     # that failed by itself over one stopped by a signal (128+N), which srun's
-    # --kill-on-bad-exit sends the other nodes after the first failure.
+    # --kill-on-bad-exit sends the other nodes after the first failure, or one that lost
+    # the rendezvous when the failing node's launcher (the store's host) exited.
     # A node whose summary is missing has no code of its own: srun's status stands in.
     codes: list[int] = []
+    followers: list[int] = []  # codes of nodes that lost the rendezvous
     reasons: list[str] = []
     failed: list[NodeResult] = []
     for r in inp.nodes:
@@ -267,11 +275,12 @@ def _after_failure(inp: Inputs) -> Decision:
                             "not requeued")
         reasons.append(f"{r.node}: {_with_code(why, node_code)}")
         failed.append(r)
-        codes.append(node_code)
+        (followers if r.lost_rendezvous else codes).append(node_code)
     new_excludes, complaints = _exclusions(inp, failed)
     reasons += complaints
-    own = [c for c in codes if c < 128]
-    code = (own or ([inp.launcher_exit] if inp.launcher_exit else codes) or [1])[0]
+    own = [c for c in codes if c < 128] or [c for c in followers if c < 128]
+    code = (own or ([inp.launcher_exit] if inp.launcher_exit else codes + followers)
+            or [1])[0]
     return _requeue_or_stop(inp, code, "; ".join(reasons) or f"launcher exit {code}",
                             new_excludes)
 

@@ -25,10 +25,13 @@ _spec.loader.exec_module(na)
 
 
 def write_summary(path: Path, code: int, requeue: bool, exclude: list[str] | None = None,
-                  why: str = "", host: str = "vm", workers: list[dict] | None = None) -> Path:
+                  why: str = "", host: str = "vm", workers: list[dict] | None = None,
+                  outcome: str | None = None) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     summary = {"version": 1, "host": host, "exit_code": code, "reason": why,
                "next_action": {"requeue": requeue, "exclude_nodes": exclude or [], "why": why}}
+    if outcome is not None:  # the last cycle's outcome; summaries before it had none
+        summary["outcome"] = outcome
     if workers is not None:  # ft_launcher writes the list; older tests leave it out
         summary["workers"] = workers
     path.write_text(json.dumps(summary))
@@ -153,6 +156,23 @@ def test_two_nodes_on_one_host_blame_the_node_whose_summary_failed(tmp_path):
     d = decide(tmp_path, 143, {"node1": s1, "node2": s2}, nnodes=1,
                partition_nodes=["node1", "node2", "node3"])
     assert (d.action, d.exit_code, d.exclude) == ("requeue", 16, ["node2"])
+
+
+def test_a_node_that_lost_the_rendezvous_does_not_give_the_job_its_code(tmp_path):
+    # node2's rank exits 16; its launcher hosted the store, so node1's launcher loses the
+    # rendezvous and exits 1 before srun's --kill-on-bad-exit reaches it (CI saw this race)
+    lost = "rendezvous lost: the c10d store at 127.0.0.1:29595 is unreachable"
+    s1 = write_summary(tmp_path / "node1" / "summary.json", 1, True, why=lost,
+                       outcome="rendezvous_lost")
+    s2 = write_summary(tmp_path / "node2" / "summary.json", 16, True, ["vm"], why="exit 16",
+                       outcome="failed")
+    d = decide(tmp_path, 143, {"node1": s1, "node2": s2}, nnodes=2,
+               partition_nodes=["node1", "node2", "node3"])
+    assert (d.action, d.exit_code, d.exclude) == ("requeue", 16, ["node2"])
+    assert lost in d.why  # still reported, only not the job's code
+    # Alone, a lost rendezvous is the job's code (and no node is blamed for it).
+    d = decide(tmp_path, 1, {"node1": s1}, nnodes=1)
+    assert (d.action, d.exit_code, d.exclude) == ("requeue", 1, [])
 
 
 def test_a_node_named_by_another_summary_host_is_mapped(tmp_path):
