@@ -46,7 +46,7 @@ from ft_launcher.straggler import DETECTED, StragglerDetector
 from ft_launcher.throttle import Throttle
 from ft_launcher.timeouts import TimeoutBook, load_state
 from ft_launcher.worker_env import CycleEnv, visible_gpus, worker_env
-from ft_launcher.workers import Worker, WorkerGroup, WorkerSpec
+from ft_launcher.workers import Worker, WorkerGroup, WorkerSpec, handles_signal
 
 log = logging.getLogger("ft_launcher")
 
@@ -110,6 +110,8 @@ class Supervisor:
             max_no_progress_cycles=cfg.ft.max_no_progress_cycles,
         )
         self._pending: list[int] = []
+        # Pass-through signals (SIGUSR1) not yet handed to these ranks of the cycle.
+        self._owed: dict[int, set[int]] = {}
         self._blocking = False
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -313,6 +315,10 @@ class Supervisor:
                 spec.env.update(MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
         group.start(specs, warm=self.standbys.take)
         self.standbys.cycle_started()
+        # A pass-through signal that some rank of the last cycle never got is owed to the
+        # new ranks (Slurm's time-limit warning still stands).
+        self._pending.extend(signum for signum, ranks in self._owed.items() if ranks)
+        self._owed.clear()
         for w in group.workers:
             self.slots[w.rank].pid = w.pid
         spawned = {w.rank: monotonic_of(w.started_at) for w in group.workers}
@@ -539,10 +545,11 @@ class Supervisor:
 
     def _polls(self) -> bool:
         """Whether something must be polled every ``--monitor-interval``: other nodes (the
-        rendezvous, the straggler exchange) or the standby pool. Worker exits and signals
+        rendezvous, the straggler exchange), the standby pool, or a rank that a SIGUSR1 is
+        owed to (until it installs a handler). Worker exits and signals
         wake the loop at once (SIGCHLD), messages and deadlines by themselves."""
         return (self.rdzv.polls_peers or self.straggler_exchange is not None
-                or self.standbys.needs_ticks)
+                or self.standbys.needs_ticks or any(self._owed.values()))
 
     # -- a node dropped while it was stopped --------------------------------------------
 
@@ -577,13 +584,34 @@ class Supervisor:
     def _check_signals(self, group: WorkerGroup) -> CycleResult | None:
         for signum in self._take_signals():
             if signum in PASS_THROUGH_SIGNALS:
-                for w in group.alive():
-                    group.signal_process(w, w.pid, signum)
-                self.event("signal_forwarded", signal=signal.Signals(signum).name)
+                self._owed.setdefault(signum, set()).update(w.rank for w in group.alive())
+                self._pass_on(group, signum)
             else:
                 self.event("signal_received", signal=signal.Signals(signum).name)
                 return CycleResult(self.cycle, Outcome.SIGNALED, signum=signum)
+        for signum in self._owed:
+            self._pass_on(group, signum, report_waiting=False)
         return None
+
+    def _pass_on(self, group: WorkerGroup, signum: int, report_waiting: bool = True) -> None:
+        """Hand an owed pass-through signal to each rank that handles it by now.
+
+        Its default action kills a process, and a rank started a moment ago (the signal
+        came during a restart, or while it imported) has no handler yet: it gets the signal
+        once it installs one, and the job goes on meanwhile."""
+        owed = self._owed[signum]
+        ready = [w for w in group.alive()
+                 if w.rank in owed and handles_signal(w.pid, signum)]
+        for w in ready:
+            group.signal_process(w, w.pid, signum)
+            owed.discard(w.rank)
+        name = signal.Signals(signum).name
+        if ready:
+            self.event("signal_forwarded", signal=name, ranks=[w.rank for w in ready],
+                       waiting=sorted(owed))
+        elif owed and report_waiting:
+            self.event("signal_held", signal=name, ranks=sorted(owed),
+                       reason="no handler installed yet")
 
     def _check_exits(self, group: WorkerGroup) -> CycleResult | None:
         exits = [(w, self._report_exit(w)) for w in group.poll()]

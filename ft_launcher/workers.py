@@ -140,6 +140,19 @@ class Worker:
         return info
 
 
+def handles_signal(pid: int, signum: int) -> bool:
+    """Whether the process has a handler for ``signum`` or ignores it (``/proc`` SigCgt,
+    SigIgn), so that sending it cannot kill the process by its default action. False when
+    the process is gone or unreadable."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            masks = {k: v for k, _, v in (line.partition(":") for line in f)}
+        caught = int(masks["SigCgt"].strip(), 16) | int(masks["SigIgn"].strip(), 16)
+    except (OSError, KeyError, ValueError):
+        return False
+    return bool(caught >> (signum - 1) & 1)
+
+
 def spawn_process(argv: list[str], env: dict[str, str], stdin: int) -> subprocess.Popen:
     """Start a worker-like process: own session, PDEATHSIG, stdout+stderr merged in a pipe.
 

@@ -24,6 +24,8 @@ from launch_helpers import (
     wait_for,
 )
 
+from ft_launcher.workers import handles_signal
+
 pytestmark = pytest.mark.timeout(180)
 
 TORCHRUN_VARS = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -295,6 +297,57 @@ def test_sigusr1_is_passed_to_workers_which_checkpoint_and_exit(run_dir):
     step = int((run_dir / "ckpt" / "iteration").read_text())
     assert 20 <= step < 100000
     assert f"SIGUSR1, checkpointed step {step}" in log.read_text()
+
+
+def test_sigusr1_waits_for_each_ranks_handler(run_dir):
+    """A SIGUSR1 that comes while the ranks are still starting (during a restart, or while
+    they import) must not kill them by its default action: each rank gets it once it has
+    installed a handler, and the job goes on."""
+    proc = subprocess.Popen(
+        launcher_cmd(run_dir, "--nproc-per-node", "2", "--max-restarts", "0",
+                     str(SCRIPTS / "usr1_late.py")),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    try:
+        wait_for(lambda: all((run_dir / f"started_{r}").exists() for r in (0, 1)), 60,
+                 "the ranks to start")
+        proc.send_signal(signal.SIGUSR1)
+        held = wait_for(lambda: named(events(run_dir), "signal_held"), 30,
+                        "the launcher to hold the signal")
+        (run_dir / "go").write_text("")  # now the ranks install their handlers
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out
+    assert (held[0]["signal"], held[0]["ranks"]) == ("SIGUSR1", [0, 1])
+    forwarded = named(events(run_dir), "signal_forwarded")
+    assert sorted(r for e in forwarded for r in e["ranks"]) == [0, 1], forwarded
+    assert "rank 0: got SIGUSR1" in out and "rank 1: got SIGUSR1" in out
+
+
+def test_handles_signal_reads_the_process_own_dispositions():
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import signal, sys, time\n"
+         "print('ready', flush=True)\n"
+         "sys.stdin.readline()\n"
+         "signal.signal(signal.SIGUSR1, lambda *a: None)\n"
+         "signal.signal(signal.SIGUSR2, signal.SIG_IGN)\n"
+         "print('set', flush=True)\n"
+         "time.sleep(60)\n"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        assert not handles_signal(child.pid, signal.SIGUSR1)
+        assert not handles_signal(child.pid, signal.SIGUSR2)
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "set"
+        assert handles_signal(child.pid, signal.SIGUSR1)  # a handler
+        assert handles_signal(child.pid, signal.SIGUSR2)  # ignored: harmless to send
+        assert not handles_signal(child.pid, signal.SIGHUP)
+    finally:
+        child.kill()
+        child.wait()
+    assert not handles_signal(child.pid, signal.SIGUSR1)  # gone
 
 
 def test_a_rank_that_traps_sigterm_but_keeps_working_does_not_hold_the_restart(run_dir):
