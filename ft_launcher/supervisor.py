@@ -584,34 +584,35 @@ class Supervisor:
     def _check_signals(self, group: WorkerGroup) -> CycleResult | None:
         for signum in self._take_signals():
             if signum in PASS_THROUGH_SIGNALS:
-                self._owed.setdefault(signum, set()).update(w.rank for w in group.alive())
-                self._pass_on(group, signum)
+                owed = self._owed.setdefault(signum, set())
+                owed.update(w.rank for w in group.alive())
+                if not self._pass_on(group, signum, owed) and owed:
+                    self.event("signal_held", signal=signal.Signals(signum).name,
+                               ranks=sorted(owed), reason="no handler installed yet")
             else:
                 self.event("signal_received", signal=signal.Signals(signum).name)
                 return CycleResult(self.cycle, Outcome.SIGNALED, signum=signum)
-        for signum in self._owed:
-            self._pass_on(group, signum, report_waiting=False)
+        for signum, owed in self._owed.items():
+            if owed:
+                self._pass_on(group, signum, owed)
         return None
 
-    def _pass_on(self, group: WorkerGroup, signum: int, report_waiting: bool = True) -> None:
-        """Hand an owed pass-through signal to each rank that handles it by now.
+    def _pass_on(self, group: WorkerGroup, signum: int, owed: set[int]) -> bool:
+        """Hand an owed pass-through signal to each rank in ``owed`` that handles it by now
+        (it leaves ``owed``); True when one did.
 
         Its default action kills a process, and a rank started a moment ago (the signal
         came during a restart, or while it imported) has no handler yet: it gets the signal
         once it installs one, and the job goes on meanwhile."""
-        owed = self._owed[signum]
         ready = [w for w in group.alive()
                  if w.rank in owed and handles_signal(w.pid, signum)]
         for w in ready:
             group.signal_process(w, w.pid, signum)
             owed.discard(w.rank)
-        name = signal.Signals(signum).name
         if ready:
-            self.event("signal_forwarded", signal=name, ranks=[w.rank for w in ready],
-                       waiting=sorted(owed))
-        elif owed and report_waiting:
-            self.event("signal_held", signal=name, ranks=sorted(owed),
-                       reason="no handler installed yet")
+            self.event("signal_forwarded", signal=signal.Signals(signum).name,
+                       ranks=[w.rank for w in ready], waiting=sorted(owed))
+        return bool(ready)
 
     def _check_exits(self, group: WorkerGroup) -> CycleResult | None:
         exits = [(w, self._report_exit(w)) for w in group.poll()]

@@ -278,9 +278,9 @@ def _after_failure(inp: Inputs) -> Decision:
         (followers if r.lost_rendezvous else codes).append(node_code)
     new_excludes, complaints = _exclusions(inp, failed)
     reasons += complaints
-    own = [c for c in codes if c < 128] or [c for c in followers if c < 128]
-    code = (own or ([inp.launcher_exit] if inp.launcher_exit else codes + followers)
-            or [1])[0]
+    codes += followers  # after the nodes that failed by themselves
+    own = [c for c in codes if c < 128]
+    code = (own or ([inp.launcher_exit] if inp.launcher_exit else codes) or [1])[0]
     return _requeue_or_stop(inp, code, "; ".join(reasons) or f"launcher exit {code}",
                             new_excludes)
 
