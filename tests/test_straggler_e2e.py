@@ -154,21 +154,37 @@ def test_a_slow_rank_of_4_is_named_within_20_steps(run_dir: Path, tmp_path: Path
     check_named_soon_after_onset(run_dir, out, proc, evs, 4, window=10, clean_steps=10)
 
 
+# How long the transient slowdown lasts. On a quiet machine the slow rank is named ~5 s after
+# the onset, but on two cores shared with other work a step took up to 0.6 s (1.8 s slowed)
+# and the throttle bit in bursts: a 15 s slowdown ran out before a window of slow steps, and
+# CI once saw neither event.
+TRANSIENT_S = 45
+
+
+def slowed_steps(out: Path, evs: list[dict]) -> dict[int, list[float]]:
+    """Each rank's compute times from the onset on: what the detector saw, for a failure."""
+    onset = min((e["ts"] for e in named(evs, "fault_injected")), default=float("inf"))
+    return {rank: [round(c, 3) for _, ts, c in steps(out, rank) if ts > onset]
+            for rank in (0, 1)}
+
+
 @pytest.mark.slow
 def test_a_transient_slowdown_is_reported_then_cleared(run_dir: Path, tmp_path: Path):
     """Also the options: a window of 10 and a threshold of 2 reach the detector."""
     out = tmp_path / "steps"
     proc, evs = train(run_dir, out, 2, "--ft-straggler-window", "10", *THRESHOLD,
-                      "--ft-simulated-fault", f"{SLOW},base_delay={ONSET_S},duration=15",
-                      until=lambda evs: bool(named(evs, "straggler_cleared")), bound_s=120)
+                      "--ft-simulated-fault",
+                      f"{SLOW},base_delay={ONSET_S},duration={TRANSIENT_S}",
+                      until=lambda evs: bool(named(evs, "straggler_cleared")), bound_s=150)
     assert proc.returncode == 0, proc.stdout[-3000:]
     transitions = [(e["event"], e["rank"]) for e in evs
                    if e["event"] in ("straggler_detected", "straggler_cleared")]
-    assert transitions == [("straggler_detected", 1), ("straggler_cleared", 1)], transitions
+    assert transitions == [("straggler_detected", 1), ("straggler_cleared", 1)], (
+        transitions, named(evs, "fault_injected"), slowed_steps(out, evs))
     cleared = named(evs, "straggler_cleared")[0]
     detected = named(evs, "straggler_detected")[0]
     # The throttle's grip varies with the load (a CPU budget, not a fixed speed), so when
-    # within the 15 s the score falls back is not asserted; only that it does, after.
+    # within the slowdown the score falls back is not asserted; only that it does, after.
     assert cleared["ts"] > detected["ts"]
     assert detected["window"] == 10 and detected["score"] > 2.0
     assert cleared["score"] < 1.5  # below halfway back to 1
