@@ -148,6 +148,7 @@ from pathlib import Path
 
 facts = {
     "argv": sys.argv,
+    "orig_argv": sys.orig_argv,
     "name": __name__,
     "main_file": sys.modules["__main__"].__file__,
     "spec": getattr(__spec__, "name", None),
@@ -227,6 +228,8 @@ def test_warm_worker_sees_a_fresh_process(tmp_path, run_dir, mode):
         for cycle in (0, 1, 2):
             f = json.loads((run_dir / f"facts_{cycle}_{rank}.json").read_text())
             assert f["argv"] == [main_file if mode == "module" else target, "--flag", "x y"]
+            assert f["orig_argv"] == [*cold["orig_argv"][:-1], "--flag", "x y"]
+            assert cold["orig_argv"] == [sys.executable, "-u", *entry, "cold"]
             assert f["name"] == "__main__" and f["main_file"] == main_file
             assert f["spec"] == (target if mode == "module" else None)
             assert f["cwd"] == str(cwd) and f["path0"] == os.path.realpath(work)

@@ -24,9 +24,10 @@ freshly started ``python -u script.py`` (or ``-m module``) and runs the script a
 - signal dispositions and the signal mask are reset to what the interpreter had when it
   started (before any preload could change them): SIGINT raises KeyboardInterrupt,
   SIGPIPE and SIGXFSZ ignored, everything else default;
-- ``sys.argv``, ``sys.path[0]`` and a new ``__main__`` module are set up as the interpreter
-  does; this package and whatever the zygote imported after the preloads leave
-  ``sys.modules`` first;
+- ``sys.argv``, ``sys.orig_argv``, ``sys.path[0]`` and a new ``__main__`` module are set up
+  as the interpreter does (``sys.orig_argv`` is the cold worker's command line, so a script
+  that re-executes itself with it starts the script, not a standby); this package and
+  whatever the zygote imported after the preloads leave ``sys.modules`` first;
 - an uncaught exception prints its traceback (from the script's first frame) and exits 1,
   ``SystemExit`` and ``KeyboardInterrupt`` behave as in any interpreter.
 
@@ -43,8 +44,9 @@ Limits (what a preloaded module may not rely on):
 - A preload must not touch a GPU (the standby refuses to serve if it holds a ``/dev/nvidia*``
   file), start threads or processes, open sockets or files it keeps: all of them would
   survive into the worker.
-- ``sys.orig_argv`` and ``/proc/PID/cmdline`` still show the standby's (or zygote's)
-  command line; forked standbys share the zygote's string hash seed.
+- ``/proc/PID/cmdline`` and ``/proc/PID/environ`` (what ``ps`` and ``pkill -f`` read)
+  still show the standby's (or zygote's) command line and first environment; forked
+  standbys share the zygote's string hash seed.
 """
 
 import _signal  # not ``signal``: a fresh interpreter has only the C module loaded
@@ -180,6 +182,15 @@ def _run_module(module: str, args: list[str]) -> None:
     runpy._run_module_as_main(module, alter_argv=True)
 
 
+def cold_command_line(mode: str, target: str, args: list[str]) -> list[str]:
+    """The ``sys.orig_argv`` of a cold worker for this record: the interpreter and flags this
+    standby was started with (those before its ``-c``), the script or ``-m module``, the
+    arguments."""
+    orig = sys.orig_argv
+    interpreter = orig[:orig.index("-c")] if "-c" in orig else [sys.executable]
+    return [*interpreter, *(["-m", target] if mode == "module" else [target]), *args]
+
+
 def _script_traceback(tb, main_globals: dict):
     """Drop the standby's own frames: the traceback starts at the script's first frame."""
     while tb is not None and tb.tb_frame.f_globals is not main_globals:
@@ -206,6 +217,7 @@ def _become_worker(nonce: str, fields: list[bytes], handlers: dict[int, object],
         key, _, value = item.partition("=")
         os.environ[key] = value
     os.chdir(cwd)
+    sys.orig_argv = cold_command_line(mode, target, args)
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
