@@ -582,8 +582,10 @@ class Supervisor:
         return CycleResult(self.cycle, Outcome.PEER_CHANGED, reason=f"node dropped: {reason}")
 
     def _check_signals(self, group: WorkerGroup) -> CycleResult | None:
+        received: set[int] = set()  # offered to the ranks just now: no second look below
         for signum in self._take_signals():
             if signum in PASS_THROUGH_SIGNALS:
+                received.add(signum)
                 owed = self._owed.setdefault(signum, set())
                 owed.update(w.rank for w in group.alive())
                 if not self._pass_on(group, signum, owed) and owed:
@@ -593,7 +595,7 @@ class Supervisor:
                 self.event("signal_received", signal=signal.Signals(signum).name)
                 return CycleResult(self.cycle, Outcome.SIGNALED, signum=signum)
         for signum, owed in self._owed.items():
-            if owed:
+            if owed and signum not in received:
                 self._pass_on(group, signum, owed)
         return None
 
