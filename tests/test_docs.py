@@ -168,8 +168,9 @@ LINK = re.compile(r"!?\[(?:[^\]\[]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"
 FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})(.*)$")
 
 
-def _prose(text: str) -> str:
-    """The page without its fenced code blocks and inline code (links there are not links)."""
+def _prose(text: str, inline_code: bool = False) -> str:
+    """The page without its fenced code blocks and, unless ``inline_code``, its inline code
+    (links there are not links)."""
     out, fence = [], None
     for line in text.splitlines():
         m = FENCE.match(line)
@@ -177,7 +178,7 @@ def _prose(text: str) -> str:
             fence = m.group(2)[0] * 3 if fence is None else None
             out.append("")
             continue
-        out.append("" if fence else re.sub(r"`[^`]*`", "", line))
+        out.append("" if fence else line if inline_code else re.sub(r"`[^`]*`", "", line))
     return "\n".join(out)
 
 
@@ -194,7 +195,7 @@ def slug(heading: str) -> str:
 def anchors(path: Path) -> set[str]:
     seen: Counter[str] = Counter()
     out = set()
-    for line in _prose(path.read_text()).splitlines():
+    for line in _prose(path.read_text(), inline_code=True).splitlines():
         m = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
         if not m:
             continue
