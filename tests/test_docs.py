@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -312,12 +313,31 @@ def test_getting_started_has_runnable_blocks_without_network():
         assert not re.search(r"\b(pip|curl|wget|apt-get|git clone)\b", block), block
 
 
+def _commands(bin_dir: Path) -> None:
+    """The project's console scripts (pyproject.toml), run by this interpreter from this
+    checkout: another package's script of the same name in the environment (NVRx installs an
+    ``ft_launcher`` too) must not answer for ours."""
+    table = (ROOT / "pyproject.toml").read_text().split("[project.scripts]", 1)[1]
+    table = table.split("\n[", 1)[0]  # up to the next table (tomllib needs Python 3.11)
+    scripts = dict(re.findall(r'^(\S+)\s*=\s*"([\w.]+:\w+)"', table, re.MULTILINE))
+    assert "ft_launcher" in scripts, table
+    bin_dir.mkdir()
+    for name, target in scripts.items():
+        module, func = target.split(":")
+        path = bin_dir / name
+        path.write_text(f"#!{sys.executable}\nimport sys\nfrom {module} import {func}\n"
+                        f"sys.exit({func}())\n")
+        path.chmod(0o755)
+
+
 def _run_block(block: str, tmp_path: Path, timeout: float) -> subprocess.CompletedProcess:
     # A fresh directory with what a checkout gives the reader (the examples), the
-    # installed commands on PATH, and this checkout's code importable.
+    # project's commands on PATH, and this checkout's code importable.
     shutil.copytree(ROOT / "examples", tmp_path / "examples")
+    _commands(tmp_path / ".bin")
     env = dict(os.environ)
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env["PATH"] = os.pathsep.join([str(tmp_path / ".bin"), str(Path(sys.executable).parent),
+                                   env.get("PATH", "")])
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     return subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=timeout)
@@ -333,3 +353,7 @@ def test_getting_started_runnable_blocks_run_in_a_fresh_directory(tmp_path):
         assert done.returncode == 0, (f"block {i} exited {done.returncode}:\n{block}\n"
                                       f"--- stdout\n{done.stdout[-4000:]}\n"
                                       f"--- stderr\n{done.stderr[-4000:]}")
+        summaries = [json.loads(p.read_text()) for p in where.glob("ft_runs/*/summary.json")]
+        if "--ft-simulated-fault" in block:  # the page says the fault is recovered from
+            assert summaries and all(x["exit_code"] == 0 for x in summaries), summaries
+            assert any(x["restarts"] >= 1 for x in summaries), summaries
