@@ -99,6 +99,20 @@ def parse_signals(source: str, raw: str) -> tuple[signal.Signals, ...]:
     return tuple(dict.fromkeys(out))
 
 
+# Signals handed to the workers while the job goes on (Slurm's warning before a time limit);
+# every other handled signal stops the workers with itself, as SIGTERM does.
+PASSED_ON_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
+
+
+def split_signals(handled: tuple[int, ...] | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(signals that stop the job, signals handed on) for LaunchConfig.signals_to_handle;
+    None = the launcher's own: SIGTERM, SIGINT, SIGHUP stop it, SIGUSR1 is handed on."""
+    if handled is None:
+        return tuple(int(getattr(signal, n)) for n in DEFAULT_SIGNALS), (int(signal.SIGUSR1),)
+    passed = tuple(int(s) for s in handled if s in PASSED_ON_SIGNALS)
+    return tuple(int(s) for s in handled if s not in PASSED_ON_SIGNALS), passed
+
+
 def shutdown_timeout_from_env(environ: Mapping[str, str]) -> float | None:
     """torchrun's fallback for --shutdown-timeout: TORCH_ELASTIC_SHUTDOWN_TIMEOUT."""
     raw = environ.get(ENV_SHUTDOWN_TIMEOUT)

@@ -221,6 +221,16 @@ def test_signals_to_handle_parse_to_signal_numbers(script):
             _parse(["--signals-to-handle", bad], script)
 
 
+def test_handled_signals_split_into_those_that_stop_and_those_handed_on(script):
+    split = torchrun_compat.split_signals
+    assert split(None) == ((signal.SIGTERM, signal.SIGINT, signal.SIGHUP), (signal.SIGUSR1,))
+    cfg = _parse(["--signals-to-handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2"],
+                 script)
+    assert split(cfg.signals_to_handle) == (
+        (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT),
+        (signal.SIGUSR1, signal.SIGUSR2))
+
+
 def test_duplicate_filters_split_as_torchrun_splits_them():
     assert torchrun_compat.parse_filters("a,,b,c") == ["a,b", "c"]
     assert torchrun_compat.parse_filters("") == []
