@@ -312,3 +312,19 @@ def test_the_help_lists_every_torchrun_option():
     missing = [a.option_strings for a in _torch_options()
                if not any(s in out for s in a.option_strings)]
     assert not missing
+
+
+def test_a_torchrun_command_line_runs_as_it_is(tmp_path):
+    """A job script's torchrun options, as written for torchrun, start a real job."""
+    run_dir = tmp_path / "run"
+    res = run_launcher(run_dir, "--nnodes=1:1", "--nproc_per_node=2", "--start-method", "spawn",
+                       "--role", "trainer", "--shutdown-timeout", "5", "--local_addr",
+                       "127.0.0.1", "--signals-to-handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+                       "--logs-specs", "mine", "--event_log_handler", "null",
+                       str(SCRIPTS / "env_dump.py"))
+    assert res.returncode == 0, res.stdout[-3000:]
+    assert _world_sizes(run_dir) == {0: "2", 1: "2"}
+    env = json.loads((run_dir / "env" / "cycle_0_rank_1.json").read_text())["env"]
+    assert env["ROLE_NAME"] == "trainer"
+    assert res.stdout.count("--logs-specs names a torchrun.logs_specs plugin") == 1
+    assert "--event-log-handler" not in res.stdout  # 'null' asks for nothing
