@@ -314,9 +314,11 @@ CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
     when a worker fails or hangs, and exit with a code a scheduler can act on
     (0 done, 1 failed, 16 re-run elsewhere, 17 validation failed, 18 no progress).
 
-    Options match torchrun's; the --ft-* options add hang detection, fault injection and
-    the rerun policy. Everything lands in the run directory (--ft-run-dir). NVRx's --ft-*
-    flags and YAML keys are accepted too (README: Porting from NVRx).""",
+    Options match torchrun's, and so do their PET_* variables: an option not given takes
+    its value from PET_<OPTION> (PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK, ...; a flag
+    from PET_<FLAG> as an integer, 0 = off). The --ft-* options add hang detection, fault
+    injection and the rerun policy. Everything lands in the run directory (--ft-run-dir).
+    NVRx's --ft-* flags and YAML keys are accepted too (README: Porting from NVRx).""",
 )
 @click.option("--nnodes", default="1", show_default=True, help="Nodes: N or MIN:MAX.")
 @click.option("--nproc-per-node", "--nproc_per_node", "nproc_per_node", default="1",
