@@ -131,7 +131,8 @@ class RankMonitorClient:
             protocol.HELLO,
             token=os.environ.get("FT_TOKEN", ""),
             rank=self.rank,
-            local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+            # FT_LOCAL_RANK: the real one under --virtual-local-rank (LOCAL_RANK=0 there)
+            local_rank=int(os.environ.get("FT_LOCAL_RANK") or os.environ.get("LOCAL_RANK", "0")),
             pid=os.getpid(),
             host=socket.gethostname(),
             cycle=self.cycle,

@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
 import sys
 import time
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import click
+from click.core import ParameterSource
 
 from ft_agent import config as agent_config
+from ft_launcher import torchrun_compat
 from ft_launcher.config import (
     DEFAULT_INITIAL_TIMEOUT_S,
     DEFAULT_MIN_LEARNED_TIMEOUT_S,
@@ -29,14 +33,14 @@ from ft_launcher.config import (
 log = logging.getLogger("ft_launcher")
 
 
-def _parse_nnodes(value: str) -> tuple[int, int]:
+def _parse_nnodes(value: str, source: str = "--nnodes") -> tuple[int, int]:
     lo, sep, hi = str(value).partition(":")
     try:
         nodes = (int(lo), int(hi) if sep else int(lo))
     except ValueError:
-        raise ConfigError(f"--nnodes: expected N or MIN:MAX, got {value!r}") from None
+        raise ConfigError(f"{source}: expected N or MIN:MAX, got {value!r}") from None
     if nodes[0] < 1 or nodes[1] < nodes[0]:
-        raise ConfigError(f"--nnodes: expected 1 <= MIN <= MAX, got {value!r}")
+        raise ConfigError(f"{source}: expected 1 <= MIN <= MAX, got {value!r}")
     return nodes
 
 
@@ -310,9 +314,11 @@ CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
     when a worker fails or hangs, and exit with a code a scheduler can act on
     (0 done, 1 failed, 16 re-run elsewhere, 17 validation failed, 18 no progress).
 
-    Options match torchrun's; the --ft-* options add hang detection, fault injection and
-    the rerun policy. Everything lands in the run directory (--ft-run-dir). NVRx's --ft-*
-    flags and YAML keys are accepted too (README: Porting from NVRx).""",
+    Options match torchrun's, and so do their PET_* variables: an option not given takes
+    its value from PET_<OPTION> (PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK, ...; a flag
+    from PET_<FLAG> as an integer, 0 = off). The --ft-* options add hang detection, fault
+    injection and the rerun policy. Everything lands in the run directory (--ft-run-dir).
+    NVRx's --ft-* flags and YAML keys are accepted too (README: Porting from NVRx).""",
 )
 @click.option("--nnodes", default="1", show_default=True, help="Nodes: N or MIN:MAX.")
 @click.option("--nproc-per-node", "--nproc_per_node", "nproc_per_node", default="1",
@@ -358,6 +364,49 @@ CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 @click.option("--workers-stop-timeout", "workers_stop_timeout", type=Seconds(0.0, 86400.0),
               default=15.0, show_default=True,
               help="Grace between SIGTERM and SIGKILL when stopping a group.")
+@click.option("--shutdown-timeout", "--shutdown_timeout", "shutdown_timeout",
+              type=Seconds(0.0, 86400.0), default=None,
+              help="torchrun's name for --term-timeout: seconds between the stop signal and "
+                   "SIGKILL when the launcher is told to stop [TORCH_ELASTIC_SHUTDOWN_TIMEOUT, "
+                   "else 30].")
+@click.option("--local-addr", "--local_addr", "local_addr", default=None,
+              help="Address this node advertises in a c10d or etcd-v2 rendezvous: its "
+                   "workers' MASTER_ADDR when it holds group rank 0 [the address routed "
+                   "towards the rendezvous endpoint].")
+@click.option("--role", default="default", show_default=True,
+              help="Role of this node's workers: ROLE_NAME in their environment.")
+@click.option("--start-method", "--start_method", "start_method",
+              type=click.Choice(torchrun_compat.START_METHODS), default=None,
+              help="How workers start: spawn = a fresh interpreter each (a cold start); fork "
+                   "or forkserver = forked from the node's zygote with the preloads imported "
+                   "(warm restart) [as --ft-warm-restart says].")
+@click.option("--virtual-local-rank", "--virtual_local_rank", "virtual_local_rank",
+              is_flag=True,
+              help="LOCAL_RANK=0 for every worker, and CUDA_VISIBLE_DEVICES names only the "
+                   "device the rank is given, which becomes its device 0.")
+@click.option("--signals-to-handle", "--signals_to_handle", "signals_to_handle", default=None,
+              help="Signals the launcher catches for its workers, comma-separated: "
+                   "SIGUSR1 and SIGUSR2 are handed to the workers and the job goes on; the "
+                   "others stop the workers with that signal, as SIGTERM does "
+                   "[SIGTERM,SIGINT,SIGHUP; SIGUSR1 handed on].")
+@click.option("--numa-binding", "--numa_binding", "numa_binding",
+              type=click.Choice(torchrun_compat.NUMA_MODES), default=None,
+              help="Accepted for torchrun, not applied (one warning): workers keep the "
+                   "launcher's CPU affinity; bind the launcher with numactl or taskset.")
+@click.option("--logs-specs", "--logs_specs", "logs_specs", default=None,
+              help="Accepted for torchrun, not applied (one warning): it names a torch "
+                   "LogsSpecs plugin; worker logs go to RUN_DIR/logs or --log-dir.")
+@click.option("--event-log-handler", "--event_log_handler", "event_log_handler", default=None,
+              help="Accepted for torchrun, not applied (one warning unless 'null'): the "
+                   "launcher's events go to RUN_DIR/events.jsonl.")
+@click.option("--duplicate-stdout-filters", "--duplicate_stdout_filters",
+              "duplicate_stdout_filters", default=None,
+              help="Accepted for torchrun, not applied (one warning): every worker's output "
+                   "is kept whole in RUN_DIR/logs; grep it there.")
+@click.option("--duplicate-stderr-filters", "--duplicate_stderr_filters",
+              "duplicate_stderr_filters", default=None,
+              help="Accepted for torchrun, not applied (one warning): every worker's output "
+                   "is kept whole in RUN_DIR/logs; grep it there.")
 @click.option("--ft-run-dir", "run_dir", default=None,
               help="Run directory [./ft_runs/RUN_ID].")
 @click.option("--ft-cfg-path", "--ft-cfg_path", "cfg_path", default=None,
@@ -376,7 +425,7 @@ def cli(**opts: Any) -> None:
         stream=sys.stderr,
     )
     try:
-        cfg = build_launch_config(opts)
+        cfg = config_from_context(click.get_current_context(), opts, os.environ)
         if not verbose:  # NVRx's log_level; -v still means debug
             logging.getLogger().setLevel(cfg.ft.log_level)
         from ft_launcher.supervisor import Supervisor  # after validation: imports zmq
@@ -389,67 +438,201 @@ def cli(**opts: Any) -> None:
     sys.exit(supervisor.run())
 
 
-def build_launch_config(opts: dict[str, Any]) -> LaunchConfig:
-    """Turn parsed options into a LaunchConfig; raises ConfigError for user mistakes."""
+def launch_config_from_args(args: list[str],
+                            environ: Mapping[str, str] | None = None) -> LaunchConfig:
+    """Parse a command line as ``ft_launcher`` does, PET_* variables included, and build its
+    LaunchConfig without starting anything (click's usage errors and ConfigError raise)."""
+    ctx = cli.make_context("ft_launcher", list(args))
+    with ctx:
+        opts = dict(ctx.params)
+        opts.pop("verbose", None)
+        return config_from_context(ctx, opts, os.environ if environ is None else environ)
+
+
+def config_from_context(ctx: click.Context, opts: dict[str, Any],
+                        environ: Mapping[str, str]) -> LaunchConfig:
+    """Options given on the command line, then torchrun's PET_* variables for the others
+    (as torchrun reads them), then the defaults."""
+    origin = _given_on_command_line(ctx, opts)
+    opts = dict(opts)
+    for pet in torchrun_compat.pet_defaults(environ, set(origin)):
+        opts[pet.name] = _pet_value(ctx, pet)
+        origin[pet.name] = pet.var
+    return build_launch_config(opts, origin, environ)
+
+
+def _given_on_command_line(ctx: click.Context, opts: dict[str, Any]) -> dict[str, str]:
+    """Option name -> the spelling that names it in errors, for those given as flags."""
+    out = {}
+    for param in ctx.command.params:
+        if param.name in opts and \
+                ctx.get_parameter_source(param.name) is ParameterSource.COMMANDLINE:
+            longs = [o for o in param.opts if o.startswith("--")]
+            out[param.name] = (longs or param.opts)[0]
+    return out
+
+
+def _pet_value(ctx: click.Context, pet: torchrun_compat.PetValue) -> Any:
+    """A PET_ variable's value, converted as its option's would be; errors name it."""
+    if pet.name in torchrun_compat.PET_FLAG_OPTIONS:
+        return torchrun_compat.parse_pet_flag(pet.var, pet.raw)
+    param = next(p for p in ctx.command.params if p.name == pet.name)
+    try:
+        return param.type_cast_value(ctx, pet.raw)
+    except click.BadParameter as exc:
+        raise ConfigError(f"{pet.var}: {exc.message}") from None
+
+
+def build_launch_config(opts: dict[str, Any], origin: Mapping[str, str] | None = None,
+                        environ: Mapping[str, str] | None = None) -> LaunchConfig:
+    """Turn parsed options into a LaunchConfig; raises ConfigError for user mistakes.
+
+    ``origin`` names where each value not defaulted came from (a flag or a PET_ variable),
+    for the errors; ``environ`` is the launcher's environment (TORCH_ELASTIC_SHUTDOWN_TIMEOUT).
+    """
+    src = _Sources(origin or {})
+    environ = os.environ if environ is None else environ
+    for message in torchrun_compat.not_applied(opts):
+        log.warning("%s", message)
     given, not_applicable = ft_flags_given(opts)
     ft = build_ft_config(opts["cfg_path"], given, not_applicable,
                          bool(opts.get("ignore_missing_cfg")))
-    min_nodes, max_nodes = _parse_nnodes(opts["nnodes"])
-    nproc_text = str(opts["nproc_per_node"])
-    if nproc_text == "cpu":
-        nproc = os.cpu_count() or 1
-    elif nproc_text.isdigit() and int(nproc_text) > 0:
-        nproc = int(nproc_text)
-    else:
-        raise ConfigError(f"--nproc-per-node: expected a positive integer or 'cpu', "
-                          f"got {nproc_text!r}")
+    ft = _apply_start_method(ft, opts.get("start_method"), src("start_method", "--start-method"))
+    nproc = _nproc(str(opts["nproc_per_node"]), src("nproc_per_node", "--nproc-per-node"))
+    min_nodes, max_nodes, backend = _nodes(opts, src)
+    run_id = opts["rdzv_id"] if opts["rdzv_id"] != "none" else _default_run_id()
+    return LaunchConfig(
+        entrypoint=_entrypoint(opts["training_script"], opts["module"], opts["no_python"]),
+        script_args=list(opts["training_script_args"]),
+        nproc_per_node=nproc, min_nodes=min_nodes, max_nodes=max_nodes,
+        node_rank=opts["node_rank"], master_addr=opts["master_addr"],
+        master_port=opts["master_port"], rdzv_backend=backend,
+        rdzv_endpoint=opts["rdzv_endpoint"], rdzv_id=run_id,
+        rdzv_conf=_parse_kv(src("rdzv_conf", "--rdzv-conf"), opts["rdzv_conf"]),
+        max_restarts=opts["max_restarts"], monitor_interval=opts["monitor_interval"],
+        run_id=run_id,
+        run_dir=Path(opts["run_dir"]) if opts["run_dir"] else Path("ft_runs") / run_id,
+        log_dir=Path(opts["log_dir"]) if opts["log_dir"] else None,
+        redirects=_parse_per_rank(src("redirects", "--redirects"), opts["redirects"], nproc),
+        tee=_parse_per_rank(src("tee", "--tee"), opts["tee"], nproc),
+        local_ranks_filter=_ranks_filter(opts.get("local_ranks_filter"),
+                                         src("local_ranks_filter", "--local-ranks-filter")),
+        term_timeout=_term_timeout(opts, src, environ),
+        workers_stop_timeout=opts["workers_stop_timeout"],
+        ft=ft,
+        **_torchrun_extras(opts, src),
+    )
+
+
+class _Sources:
+    """The name of an option in errors: the flag given, or the PET_ variable read."""
+
+    def __init__(self, origin: Mapping[str, str]) -> None:
+        self.origin = origin
+
+    def __call__(self, key: str, flag: str) -> str:
+        return self.origin.get(key, flag)
+
+    def from_flag(self, key: str) -> bool:
+        """Given on the command line (not defaulted, not from a PET_ variable)."""
+        return key in self.origin and not self.origin[key].startswith("PET_")
+
+
+def _nproc(text: str, source: str) -> int:
+    """torchrun's --nproc-per-node: an integer, cpu, gpu or auto (GPUs, else CPUs)."""
+    if text == "cpu":
+        return os.cpu_count() or 1
+    if text in ("gpu", "auto"):
+        from ft_launcher.health import count_gpus
+
+        if gpus := count_gpus():
+            return gpus
+        if text == "auto":
+            return os.cpu_count() or 1
+        raise ConfigError(f"{source} gpu: no GPU is visible on this node")
+    if text.isdigit() and int(text) > 0:
+        return int(text)
+    raise ConfigError(f"{source}: expected a positive integer, cpu, gpu or auto, got {text!r}")
+
+
+def _nodes(opts: dict[str, Any], src: _Sources) -> tuple[int, int, str]:
+    """(min nodes, max nodes, rendezvous backend), checked against the node options."""
+    min_nodes, max_nodes = _parse_nnodes(opts["nnodes"], src("nnodes", "--nnodes"))
     backend = opts["rdzv_backend"]
     if opts["standalone"]:
         if max_nodes > 1:
             raise ConfigError("--standalone runs one node; --nnodes must be 1")
         backend = "static"
     if backend == "static" and max_nodes > 1 and min_nodes != max_nodes:
-        raise ConfigError("--nnodes MIN:MAX needs --rdzv-backend c10d or etcd-v2")
-    if not 0 <= opts["node_rank"] < max_nodes:
-        raise ConfigError(f"--node-rank {opts['node_rank']}: must be in 0..{max_nodes - 1}")
-    if opts["master_port"] is not None and not 0 < opts["master_port"] < 65536:
-        raise ConfigError(f"--master-port {opts['master_port']}: not a port number")
-    if backend == "static" and max_nodes > 1 and opts["master_port"] is None:
+        raise ConfigError(f"{src('nnodes', '--nnodes')} MIN:MAX needs --rdzv-backend c10d "
+                          f"or etcd-v2")
+    node_rank, port = opts["node_rank"], opts["master_port"]
+    if not 0 <= node_rank < max_nodes:
+        raise ConfigError(f"{src('node_rank', '--node-rank')} {node_rank}: must be in "
+                          f"0..{max_nodes - 1}")
+    if port is not None and not 0 < port < 65536:
+        raise ConfigError(f"{src('master_port', '--master-port')} {port}: not a port number")
+    if backend == "static" and max_nodes > 1 and port is None:
         raise ConfigError("--master-port: required for several nodes with the static backend")
-    run_id = opts["rdzv_id"] if opts["rdzv_id"] != "none" else _default_run_id()
-    run_dir = Path(opts["run_dir"]) if opts["run_dir"] else Path("ft_runs") / run_id
-    ranks_filter = None
-    if opts["local_ranks_filter"]:
-        try:
-            ranks_filter = {int(r) for r in opts["local_ranks_filter"].split(",")}
-        except ValueError:
-            raise ConfigError(f"--local-ranks-filter: expected e.g. 0,1, got "
-                              f"{opts['local_ranks_filter']!r}") from None
-    return LaunchConfig(
-        entrypoint=_entrypoint(opts["training_script"], opts["module"], opts["no_python"]),
-        script_args=list(opts["training_script_args"]),
-        nproc_per_node=nproc,
-        min_nodes=min_nodes,
-        max_nodes=max_nodes,
-        node_rank=opts["node_rank"],
-        master_addr=opts["master_addr"],
-        master_port=opts["master_port"],
-        rdzv_backend=backend,
-        rdzv_endpoint=opts["rdzv_endpoint"],
-        rdzv_id=run_id,
-        rdzv_conf=_parse_kv("--rdzv-conf", opts["rdzv_conf"]),
-        max_restarts=opts["max_restarts"],
-        monitor_interval=opts["monitor_interval"],
-        run_id=run_id,
-        run_dir=run_dir,
-        log_dir=Path(opts["log_dir"]) if opts["log_dir"] else None,
-        redirects=_parse_per_rank("--redirects", opts["redirects"], nproc),
-        tee=_parse_per_rank("--tee", opts["tee"], nproc),
-        local_ranks_filter=ranks_filter,
-        term_timeout=opts["term_timeout"],
-        workers_stop_timeout=opts["workers_stop_timeout"],
-        ft=ft,
-    )
+    return min_nodes, max_nodes, backend
+
+
+def _ranks_filter(text: str | None, source: str) -> set[int] | None:
+    if not text:
+        return None
+    try:
+        return {int(r) for r in text.split(",")}
+    except ValueError:
+        raise ConfigError(f"{source}: expected e.g. 0,1, got {text!r}") from None
+
+
+def _apply_start_method(ft: FaultToleranceConfig, method: str | None,
+                        source: str) -> FaultToleranceConfig:
+    """torchrun's --start-method: spawn = cold start, fork/forkserver = warm restart."""
+    if method is None:
+        return ft
+    warm = torchrun_compat.warm_from_start_method(method)
+    if "warm_restart" in ft.configured and ft.warm_restart != warm:
+        raise ConfigError(f"{source} {method}: contradicts the warm restart setting "
+                          f"(spawn = cold start; fork, forkserver = warm restart)")
+    return dataclasses.replace(ft, warm_restart=warm)
+
+
+def _term_timeout(opts: dict[str, Any], src: _Sources, environ: Mapping[str, str]) -> float:
+    """--term-timeout, or torchrun's --shutdown-timeout (the same grace), or its
+    TORCH_ELASTIC_SHUTDOWN_TIMEOUT, or the default."""
+    term, shutdown = opts["term_timeout"], opts.get("shutdown_timeout")
+    if src.from_flag("term_timeout"):
+        if src.from_flag("shutdown_timeout") and shutdown != term:
+            raise ConfigError(f"--shutdown-timeout {shutdown:g} and --term-timeout {term:g}: "
+                              f"the same grace, given twice")
+        return term
+    if shutdown is not None:
+        return shutdown
+    from_env = torchrun_compat.shutdown_timeout_from_env(environ)
+    return term if from_env is None else from_env
+
+
+def _torchrun_extras(opts: dict[str, Any], src: _Sources) -> dict[str, Any]:
+    """The LaunchConfig fields of torchrun's --role, --local-addr, --signals-to-handle,
+    --virtual-local-rank and --start-method."""
+    role = "default" if opts.get("role") is None else opts["role"]
+    if "\0" in role:
+        raise ConfigError(f"{src('role', '--role')}: a role name cannot hold NUL")
+    addr = opts.get("local_addr")
+    if addr is not None and (not addr or len(addr) > 255 or any(c.isspace() for c in addr)):
+        raise ConfigError(f"{src('local_addr', '--local-addr')}: expected a host name or IP "
+                          f"address, got {addr!r}")
+    signals = opts.get("signals_to_handle")
+    return {
+        "role": role,
+        "local_addr": addr,
+        "signals_to_handle": None if signals is None else tuple(
+            int(s) for s in torchrun_compat.parse_signals(
+                src("signals_to_handle", "--signals-to-handle"), signals)),
+        "virtual_local_rank": bool(opts.get("virtual_local_rank")),
+        "start_method": opts.get("start_method"),
+    }
 
 
 def main() -> None:

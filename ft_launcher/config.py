@@ -228,5 +228,15 @@ class LaunchConfig:
     local_ranks_filter: set[int] | None = None
     term_timeout: float = 30.0
     workers_stop_timeout: float = 15.0
-    role: str = "default"
+    role: str = "default"  # ROLE_NAME in the workers' environment (torchrun's --role)
+    # torchrun's --local-addr: the address this node advertises in a c10d/etcd-v2
+    # rendezvous (its workers' MASTER_ADDR when it is group rank 0); None = found by route.
+    local_addr: str | None = None
+    # torchrun's --virtual-local-rank: LOCAL_RANK=0 for every worker, CUDA_VISIBLE_DEVICES
+    # its one device (worker_env).
+    virtual_local_rank: bool = False
+    # torchrun's --signals-to-handle; None = the launcher's own set (SIGTERM, SIGINT,
+    # SIGHUP; SIGUSR1 passed through).
+    signals_to_handle: tuple[int, ...] | None = None
+    start_method: str | None = None  # torchrun's --start-method as given (ft.warm_restart)
     ft: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)

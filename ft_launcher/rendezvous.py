@@ -465,6 +465,7 @@ class DynamicRendezvous:
         fixed_port: int | None,
         backend: str = "c10d",
         events: EventSink | None = None,
+        local_addr: str | None = None,
     ) -> None:
         if backend not in BACKENDS:
             raise ConfigError(f"--rdzv-backend: expected one of {', '.join(BACKENDS)}, "
@@ -491,7 +492,8 @@ class DynamicRendezvous:
         self._round_no: int | None = None  # the round this node joined last
         self._members: frozenset[Any] = frozenset()  # that round's participants
         self._was_dropped = False  # dropped from a round: a closed job then ends it cleanly
-        self.local_addr = reachable_address(endpoint.split(",")[0].strip("[]"))
+        # torchrun's --local-addr, else the address peers reach this node by.
+        self.local_addr = local_addr or reachable_address(endpoint.split(",")[0].strip("[]"))
         install_poll_interval(self.timings.poll_interval)
         self._unreachable = _unreachable_types()
         try:

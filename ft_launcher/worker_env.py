@@ -30,6 +30,8 @@ class CycleEnv:
     cycle: int
     device_map: Sequence[int]  # device id per local rank (policy.JobState.device_map)
     gpus: Sequence[str] = ()  # the node's visible GPUs, in CUDA_VISIBLE_DEVICES order
+    # torchrun's --virtual-local-rank: LOCAL_RANK=0, CUDA_VISIBLE_DEVICES one device.
+    virtual_local_rank: bool = False
 
 
 def listed_gpus(env: Mapping[str, str]) -> list[str] | None:
@@ -102,6 +104,24 @@ def worker_env(base: Mapping[str, str], cycle: CycleEnv, local_rank: int, *, tok
     if cycle.nproc_per_node > 1 and "OMP_NUM_THREADS" not in base:
         env["OMP_NUM_THREADS"] = "1"
     env.setdefault("PYTHONUNBUFFERED", "1")  # output reaches the log as it happens
-    if cycle.gpus:
+    if cycle.virtual_local_rank:
+        _virtual_local_rank(env, base, cycle, local_rank)
+    elif cycle.gpus:
         env["CUDA_VISIBLE_DEVICES"] = rotated_gpus(cycle.gpus, cycle.device_map, local_rank)
     return env
+
+
+def _virtual_local_rank(env: dict[str, str], base: Mapping[str, str], cycle: CycleEnv,
+                        local_rank: int) -> None:
+    """Every rank is local rank 0 of its own one device: the device it is given
+    (device_map, rotation included), as torchrun's --virtual-local-rank. FT_LOCAL_RANK
+    keeps the real local rank for ft_agent's hello."""
+    env["LOCAL_RANK"] = "0"
+    env["FT_LOCAL_RANK"] = str(local_rank)
+    device = cycle.device_map[local_rank]
+    pool = list(cycle.gpus) or listed_gpus(base)
+    if pool is None:  # nothing restricts the devices: index = device (as torchrun)
+        env["CUDA_VISIBLE_DEVICES"] = str(device)
+    elif pool:
+        env["CUDA_VISIBLE_DEVICES"] = pool[device % len(pool)]
+    # an empty pool (every device hidden) stays as the launcher's environment has it

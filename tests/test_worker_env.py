@@ -79,3 +79,27 @@ def test_rotation_keeps_the_users_gpu_names_and_uses_spare_devices():
     assert listed_gpus({"CUDA_VISIBLE_DEVICES": "-1"}) == []
     assert listed_gpus({"CUDA_VISIBLE_DEVICES": ""}) == []
     assert listed_gpus({}) is None
+
+
+def test_virtual_local_rank_gives_each_rank_its_own_device_as_device_0():
+    """torchrun's --virtual-local-rank: LOCAL_RANK=0, CUDA_VISIBLE_DEVICES the one device
+    the rank is given (rotation kept); FT_LOCAL_RANK keeps the real one for ft_agent."""
+    gpus = ("4", "5", "6", "7")
+    cycle = _cycle(nproc_per_node=4, device_map=(1, 2, 3, 0), gpus=gpus, virtual_local_rank=True)
+    envs = [_env(cycle=cycle, local_rank=r) for r in range(4)]
+    assert [e["LOCAL_RANK"] for e in envs] == ["0"] * 4
+    assert [e["FT_LOCAL_RANK"] for e in envs] == ["0", "1", "2", "3"]
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["5", "6", "7", "4"]
+    assert [e["FT_DEVICE_ID"] for e in envs] == ["1", "2", "3", "0"]
+    assert envs[2]["RANK"] == str(1 * 4 + 2)  # global ranks unchanged
+
+
+def test_virtual_local_rank_without_known_gpus_follows_torchrun():
+    cycle = _cycle(virtual_local_rank=True)
+    assert _env(cycle=cycle, local_rank=1)["CUDA_VISIBLE_DEVICES"] == "1"  # nothing restricts
+    assert _env(base={"CUDA_VISIBLE_DEVICES": "2,3"}, cycle=cycle,
+                local_rank=1)["CUDA_VISIBLE_DEVICES"] == "3"
+    assert _env(base={"CUDA_VISIBLE_DEVICES": "-1"}, cycle=cycle,
+                local_rank=1)["CUDA_VISIBLE_DEVICES"] == "-1"  # hidden stays hidden
+    plain = _env()
+    assert plain["LOCAL_RANK"] == "1" and "FT_LOCAL_RANK" not in plain

@@ -108,6 +108,19 @@ def test_handler_runs_with_the_chosen_timings():
         r.shutdown()
 
 
+def test_local_addr_is_what_this_node_advertises_as_the_workers_master():
+    """torchrun's --local-addr: the address in the node's descriptor and, as group rank 0,
+    the workers' MASTER_ADDR (by default: the address routed towards the endpoint)."""
+    port = free_ports(1)[0]
+    r = DynamicRendezvous(f"127.0.0.1:{port}", "local-addr", 1, 1, {}, None,
+                          local_addr="127.0.0.3")
+    try:
+        assert r._node.addr == "127.0.0.3"
+        assert r.next_round().master_addr == "127.0.0.3"
+    finally:
+        r.shutdown()
+
+
 class _Recorder:
     def __init__(self) -> None:
         self.events: list[tuple[str, dict]] = []
