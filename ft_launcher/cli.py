@@ -138,7 +138,7 @@ FT_OPTIONS = [
      "File holding the last checkpointed iteration (written by the training)."),
     ("--ft-warm-restart/--no-ft-warm-restart", "warm_restart",
      "Start workers from standbys with the preloads imported, forked from one zygote per "
-     "node: the first cycle's workers, and a restart's in well under a second [off]."),
+     "node, for the first cycle and every restart, without a fresh import [off]."),
     ("--ft-preload", "preload", "Modules standby workers import [torch]."),
     ("--ft-agent-store/--no-ft-agent-store", "agent_store",
      "One node: host each cycle's TCPStore in a process listening before the workers "
@@ -210,7 +210,7 @@ def _ft_option(flag: str, key: str, help_text: str):
 
 def _nvrx_options():
     """Hidden options: NVRx spellings of our settings, and NVRx flags that do not apply
-    here (accepted with one warning each; the README lists them)."""
+    here (accepted with one warning each; docs/reference/options.md lists them)."""
     options = []
     for flag, key, _ in FT_OPTIONS:
         if key in NVRX_KEYS:
@@ -318,7 +318,7 @@ CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
     its value from PET_<OPTION> (PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK, ...; a flag
     from PET_<FLAG> as an integer, 0 = off). The --ft-* options add hang detection, fault
     injection and the rerun policy. Everything lands in the run directory (--ft-run-dir).
-    NVRx's --ft-* flags and YAML keys are accepted too (README: Porting from NVRx).""",
+    NVRx's --ft-* flags and YAML keys are accepted too (docs/porting-from-nvrx.md).""",
 )
 @click.option("--nnodes", default="1", show_default=True, help="Nodes: N or MIN:MAX.")
 @click.option("--nproc-per-node", "--nproc_per_node", "nproc_per_node", default="1",

@@ -47,7 +47,7 @@ class FaultToleranceConfig(agent_config.FaultToleranceConfig):
     preload: list[str] = field(default_factory=lambda: ["torch"])
     # Single node: each cycle's TCPStore is hosted by a process that listens before the
     # workers start (TORCHELASTIC_USE_AGENT_STORE=True), even without warm restart. Off by
-    # default: its torch import cost a 2-core machine 1.2 s of start-up (README, Warm restart).
+    # default: its torch import cost a 2-core machine 1.2 s of start-up (docs/warm-restart.md).
     agent_store: bool = False
     # Stragglers (ft_launcher/straggler.py): score = a rank's median time in this section
     # over the other ranks' medians, each over the last `window` steps.
