@@ -325,8 +325,12 @@ def test_sigusr1_waits_for_each_ranks_handler(run_dir):
 
 
 def test_handles_signal_reads_the_process_own_dispositions():
+    # The child sets every disposition asserted on (a shell started with nohup passes SIGHUP
+    # on ignored, a background job SIGINT; SIG_IGN survives exec).
     child = subprocess.Popen(
         [sys.executable, "-c", "import signal, sys, time\n"
+         "for s in (signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):\n"
+         "    signal.signal(s, signal.SIG_DFL)\n"
          "print('ready', flush=True)\n"
          "sys.stdin.readline()\n"
          "signal.signal(signal.SIGUSR1, lambda *a: None)\n"
