@@ -374,3 +374,25 @@ def test_a_rank_that_traps_sigterm_but_keeps_working_does_not_hold_the_restart(r
     assert trapper["signal"] == "SIGKILL"
     # 0.5 s of grace plus the next heartbeat; generous for a loaded machine, far below 30 s.
     assert restart["ts"] - died["ts"] < 5.0, (died, restart)
+
+
+@pytest.mark.parametrize("mode", ["stall", "advance"])
+def test_no_progress_in_the_checkpoint_iteration_file_stops_with_18(run_dir, tmp_path, mode):
+    """Every cycle fails; the training's checkpoint-iteration file says 5 after each (stall):
+    exit 18 after --ft-max-no-progress-cycles 2 such cycles, not a requeue. When the file
+    advances each cycle the job is not stopped for it: the restarts run out instead."""
+    ckpt = tmp_path / "latest_checkpointed_iteration.txt"
+    res = run_launcher(run_dir, "--nproc-per-node", "1", "--max-restarts", "3",
+                       "--ft-max-no-progress-cycles", "2",
+                       "--ft-checkpoint-iteration-file", str(ckpt),
+                       str(SCRIPTS / "ckpt_file_crash.py"), str(ckpt), mode, timeout=120)
+    s = summary(run_dir)
+    if mode == "stall":
+        assert res.returncode == 18, res.stdout[-3000:]
+        assert s["exit_code"] == 18 and s["cycles"] == 3 and s["restarts"] == 2, s
+        assert s["reason"] == "no progress past iteration 5 in 2 cycles", s["reason"]
+        assert s["next_action"]["requeue"] is False
+    else:
+        assert res.returncode == 1, res.stdout[-3000:]
+        assert s["cycles"] == 4 and "restarts exhausted" in s["reason"], s
+        assert ckpt.read_text() == "8\n"
