@@ -25,9 +25,10 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 
 # -- what a test run inherits from the shell that started it ---------------------------------
-# Every test starts from the same signal dispositions, environment variables and mask, not
-# from whatever the caller's shell passed on (`nohup` ignores SIGHUP, a background job SIGINT
-# and SIGQUIT, a user's shell may export OMP_NUM_THREADS, CUDA_VISIBLE_DEVICES or FT_*).
+# Every test starts from the same signal dispositions and mask, umask and environment
+# variables, not from whatever the caller's shell passed on (`nohup` ignores SIGHUP, a
+# background job SIGINT and SIGQUIT; a user's shell may export OMP_NUM_THREADS,
+# CUDA_VISIBLE_DEVICES or FT_*, or set a umask of 000).
 # Signals this run ignores by inheritance, as handled by Python itself or not ours to change.
 _KEEP_IGNORED = {signal.SIGPIPE, signal.SIGXFSZ, signal.SIGCHLD}
 # Variables the launcher, its workers or ft_agent read from their environment.
@@ -48,10 +49,13 @@ def _no_op(signum, frame) -> None:
     starts begins at the default (a handler, unlike SIG_IGN, does not survive exec)."""
 
 
-def _own_signals(ignored: list[int]) -> None:
+def _own_process_state(ignored: list[int]) -> None:
     for signum in ignored:
         signal.signal(signum, _no_op)
     signal.pthread_sigmask(signal.SIG_SETMASK, set())
+    # Directories the tests and launchers make are 0755: under a umask of 000 the launcher
+    # refuses a run dir whose parent it made itself (world-writable, no sticky bit).
+    os.umask(0o022)
 
 
 _IGNORED_AT_START = _inherited_ignored()
@@ -62,7 +66,7 @@ def pytest_configure(config: pytest.Config) -> None:
     # they are told what the controller was started ignoring (a SIGHUP would end them).
     workerinput = getattr(config, "workerinput", None)
     ignored = workerinput.get("ft_ignored_signals", []) if workerinput else _IGNORED_AT_START
-    _own_signals(ignored)
+    _own_process_state(ignored)
 
 
 @pytest.hookimpl(optionalhook=True)
