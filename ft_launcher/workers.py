@@ -38,6 +38,7 @@ except (OSError, AttributeError):  # not Linux: rely on teardown alone
 # limit the user gave the launcher, as under torchrun.
 _worker_nofile: tuple[int, int] | None = None
 GUARDIAN = Guardian()
+STOP_POLL_S = 0.01  # a teardown checks this often whether its workers have exited
 
 
 def raise_fd_limit() -> tuple[int, int]:
@@ -177,12 +178,16 @@ def spawn_process(argv: list[str], env: dict[str, str], stdin: int) -> subproces
 class WorkerGroup:
     """The local workers of one cycle, each in its own session and process group."""
 
-    def __init__(self, events: Callable[..., Any] | None = None) -> None:
+    def __init__(self, events: Callable[..., Any] | None = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
         """``events(name, **fields)``, when given, records ``output_dropped`` (once per
         worker whose log file cannot be written: a full disk), from ``poll``, so on the
-        caller's thread, never on an output thread."""
+        caller's thread, never on an output thread. ``clock`` and ``sleep`` time the
+        teardown's waits (a test's fake clock)."""
         self.workers: list[Worker] = []
         self.events = events
+        self.clock, self.sleep = clock, sleep
         self._drops: list[dict[str, Any]] = []  # appended by output threads
 
     def start(self, specs: list[WorkerSpec],
@@ -300,11 +305,11 @@ class WorkerGroup:
                 w._pump.join(timeout=2.0)
 
     def _wait(self, timeout: float, tick: Callable[[], None] | None = None) -> None:
-        deadline = time.monotonic() + timeout
-        while self.alive() and time.monotonic() < deadline:
+        deadline = self.clock() + timeout
+        while self.alive() and self.clock() < deadline:
             self.poll()
             if self.alive():
                 if tick is not None:
                     tick()
-                time.sleep(0.01)
+                self.sleep(STOP_POLL_S)
         self.poll()

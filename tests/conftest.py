@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import compileall
+import os
 import signal
 import time
 from pathlib import Path
@@ -21,6 +22,68 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     if not hasattr(session.config, "workerinput"):
         for package in ("ft_launcher", "ft_agent", "rerun"):
             compileall.compile_dir(ROOT / package, quiet=1)
+
+
+# -- what a test run inherits from the shell that started it ---------------------------------
+# Every test starts from the same signal dispositions and mask, umask and environment
+# variables, not from whatever the caller's shell passed on (`nohup` ignores SIGHUP, a
+# background job SIGINT and SIGQUIT; a user's shell may export OMP_NUM_THREADS,
+# CUDA_VISIBLE_DEVICES or FT_*, or set a umask of 000).
+# Signals this run ignores by inheritance, as handled by Python itself or not ours to change.
+_KEEP_IGNORED = {signal.SIGPIPE, signal.SIGXFSZ, signal.SIGCHLD}
+# Variables the launcher, its workers or ft_agent read from their environment.
+CALLER_ENV_PREFIXES = ("FT_", "TORCHELASTIC_", "SLURM_", "TORCH_NCCL_", "NCCL_")
+CALLER_ENV_NAMES = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                    "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME",
+                    "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES"}
+GPU_MACHINE_ENV = ("CUDA_VISIBLE_DEVICES", "NCCL_", "TORCH_NCCL_")
+
+
+def _inherited_ignored() -> list[int]:
+    return [int(s) for s in signal.valid_signals()
+            if s not in _KEEP_IGNORED and signal.getsignal(s) == signal.SIG_IGN]
+
+
+def _no_op(signum, frame) -> None:
+    """Stands in for an inherited SIG_IGN: the run still shrugs the signal off, and what it
+    starts begins at the default (a handler, unlike SIG_IGN, does not survive exec)."""
+
+
+def _own_process_state(ignored: list[int]) -> None:
+    for signum in ignored:
+        signal.signal(signum, _no_op)
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
+    # Directories the tests and launchers make are 0755: under a umask of 000 the launcher
+    # refuses a run dir whose parent it made itself (world-writable, no sticky bit).
+    os.umask(0o022)
+
+
+_IGNORED_AT_START = _inherited_ignored()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # xdist workers are started with the controller's handlers reset to the default, so
+    # they are told what the controller was started ignoring (a SIGHUP would end them).
+    workerinput = getattr(config, "workerinput", None)
+    ignored = workerinput.get("ft_ignored_signals", []) if workerinput else _IGNORED_AT_START
+    _own_process_state(ignored)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node) -> None:
+    node.workerinput["ft_ignored_signals"] = _IGNORED_AT_START
+
+
+@pytest.fixture(autouse=True)
+def caller_environment(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+    """Unsets, for each test, what the caller's shell may have exported that the project
+    reads. GPU tests keep CUDA_VISIBLE_DEVICES and NCCL's settings: the machine's own."""
+    gpu = request.node.path.parent.name == "gpu"
+    for name in list(os.environ):
+        if gpu and name.startswith(GPU_MACHINE_ENV):
+            continue
+        if name in CALLER_ENV_NAMES or name.startswith(CALLER_ENV_PREFIXES):
+            monkeypatch.delenv(name)
 
 
 @pytest.fixture

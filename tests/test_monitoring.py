@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -25,6 +26,8 @@ from launch_helpers import (
 
 pytestmark = pytest.mark.timeout(180)
 CASES = str(SCRIPTS / "monitor_cases.py")
+# The console script installed beside this interpreter, whether or not its folder is on PATH.
+FT_REPORT = str(Path(sys.executable).parent / "ft_report")
 
 
 def _stack(run_dir, rank, cycle=0) -> str:
@@ -168,7 +171,7 @@ def test_ft_report_shows_intervals_and_cycles(run_dir):
                        "--ft-simulated-fault", "rank_hung:base_delay=1,rank=1",
                        CASES, "clean_long")
     assert res.returncode == 0, res.stdout
-    report = subprocess.run(["ft_report", str(run_dir), "--json"], capture_output=True,
+    report = subprocess.run([FT_REPORT, str(run_dir), "--json"], capture_output=True,
                             text=True, timeout=30)
     assert report.returncode == 0, report.stderr
     data = json.loads(report.stdout)
@@ -179,10 +182,10 @@ def test_ft_report_shows_intervals_and_cycles(run_dir):
     assert any("injected rank_hung rank 1" in f for f in c0["faults"])
     # The last heartbeat came just before the fault: detection is at most the timeout.
     assert 1.4 <= c0["detection_s"] < 2.5 and 0 <= c0["restart_s"] < 3
-    text = subprocess.run(["ft_report", str(run_dir)], capture_output=True, text=True,
+    text = subprocess.run([FT_REPORT, str(run_dir)], capture_output=True, text=True,
                           timeout=30)
     assert "heartbeat" in text.stdout and "cycle 0:" in text.stdout
-    bad = subprocess.run(["ft_report", str(run_dir / "nope")], capture_output=True, text=True,
+    bad = subprocess.run([FT_REPORT, str(run_dir / "nope")], capture_output=True, text=True,
                          timeout=30)
     assert bad.returncode != 0 and "no events.jsonl" in bad.stderr
     assert "Traceback" not in bad.stderr

@@ -1,9 +1,9 @@
 """NVRx code ports by changing one import: NVRx's names, timeouts views, checkpoint layout and
 YAML files, proven with scripts written the way NVRx's examples are, under the real launcher.
 
-The state-dict layout checks build NVRx's dataclasses' field sets from our classes of the same
-fields: ``HeartbeatTimeouts(**saved["heartbeat"])`` is exactly what NVRx's ``load_state_dict``
-does, so a key too many or too few fails here as it would there.
+The fast layout checks here use this package's classes of NVRx's fields; test_nvrx_real.py
+saves and loads with NVRx's own client, and the states the two examples below save under the
+launcher are loaded by NVRx's own ``RankMonitorClient.load_state_dict``.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import json
 import math
 from pathlib import Path
 
+import nvidia_resiliency_ext.fault_tolerance as nvrx
 import pytest
 from launch_helpers import SCRIPTS, events, named, run_launcher, summary
 
@@ -240,6 +241,10 @@ def test_heartbeats_pattern_calculates_arms_a_hang_and_resumes(tmp_path, run_dir
     assert saved == {"current_timeouts": {"heartbeat": {
         "initial": calc["initial"], "subsequent": calc["subsequent"], "were_calculated": True}}}
     assert ft.HeartbeatTimeouts(**saved["current_timeouts"]["heartbeat"]).are_valid
+    nvrx_client = nvrx.RankMonitorClient()  # NVRx's own, loading what ours saved
+    nvrx_client.load_state_dict(saved)
+    assert nvrx_client.loaded_hb_timeouts.are_valid and \
+        nvrx_client.loaded_hb_timeouts.subsequent == calc["subsequent"]
     loaded = _read(out, "record_c1_r0_loaded")
     assert loaded["checkpoint_ft_state"] == saved
     assert loaded["were_calculated"] is True and loaded["subsequent"] >= calc["subsequent"]
@@ -276,3 +281,8 @@ def test_sections_pattern_calculates_each_section_and_resumes_from_json_state(tm
     assert state == done["state"]
     section = state["current_timeouts"]["section"]
     assert ft.SectionTimeouts(**section).were_calculated
+    nvrx_client = nvrx.RankMonitorClient()  # NVRx's own, loading what ours saved
+    nvrx_client.load_state_dict(state)
+    loaded = nvrx_client.loaded_section_timeouts
+    assert loaded.section == section["section"] and loaded.is_out_of_section_calculated
+    assert sorted(loaded.calculated_sections) == ["checkpoint", "init", "step"]

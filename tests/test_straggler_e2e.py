@@ -122,7 +122,7 @@ def check_named_soon_after_onset(run_dir: Path, out: Path, proc, evs: list[dict]
         1, socket.gethostname(), "compute", window)
     assert first["score"] > 2.0 and first["steps"] >= window, "never on fewer than a window"
     taken = steps_after(out, 1, onset, first["ts"])
-    # The 20-step rule itself is a fake-clock test (test_straggler.py, with a 2x rank); end
+    # The 20-step rule itself is a fake-clock test (test_straggler.py, 2x and 3x ranks); end
     # to end it took 17-22 steps at load 3-6, but with both cores kept busy by other work the
     # throttle bites in bursts (22 and 44 steps seen), so this bound only proves the wiring.
     assert taken <= STEPS_BOUND, f"detected {taken} steps after the onset"
@@ -130,7 +130,7 @@ def check_named_soon_after_onset(run_dir: Path, out: Path, proc, evs: list[dict]
     assert steps(out, 0)[-1][0] == steps(out, nproc - 1)[-1][0], "every rank ran every step"
 
 
-def test_a_slow_rank_of_2_is_named_within_20_steps(run_dir: Path, tmp_path: Path):
+def test_a_slow_rank_of_2_is_named_within_80_steps(run_dir: Path, tmp_path: Path):
     """Default section "compute" and action report; a window of 10 (see THRESHOLD)."""
     out = tmp_path / "steps"
     proc, evs = train(run_dir, out, 2, *THRESHOLD, "--ft-straggler-window", "10",
@@ -145,7 +145,7 @@ def test_a_slow_rank_of_2_is_named_within_20_steps(run_dir: Path, tmp_path: Path
 
 
 @pytest.mark.slow
-def test_a_slow_rank_of_4_is_named_within_20_steps(run_dir: Path, tmp_path: Path):
+def test_a_slow_rank_of_4_is_named_within_80_steps(run_dir: Path, tmp_path: Path):
     """Four ranks on two cores: the slow rank competes for the CPU with its peers."""
     out = tmp_path / "steps"
     proc, evs = train(run_dir, out, 4, *THRESHOLD, "--ft-straggler-window", "10",
