@@ -6,8 +6,9 @@ kind is one handler in a table that turns it into a call on ``Liveness`` or a re
 supervisor. Any bytes are either a valid message or a counted protocol error: nothing a
 peer sends can raise out of ``handle_frame``.
 
-The launcher reaches the monitor only through these members (nothing outside this module
-touches its ``Liveness`` or ``TimeoutBook``):
+``MonitorView`` answers the launcher's questions about the ranks; ``Monitor`` adds the
+socket and the dispatch. The launcher reaches the monitor only through these members
+(nothing outside this module touches its ``Liveness`` or ``TimeoutBook``):
 
 - setup and teardown: ``Monitor.for_job``, ``endpoint``, ``socket`` (to poll), ``close``;
 - the cycle: ``start_cycle`` (with the cycle's callbacks: closed sections, device times,

@@ -36,6 +36,7 @@ T0_WALL = 1_700_000_000.0
 class FakeClock:
     def __init__(self) -> None:
         self.now = 100.0
+        self.after_sleep: Callable[[], Any] = lambda: None
 
     def monotonic(self) -> float:
         return self.now
@@ -45,6 +46,7 @@ class FakeClock:
 
     def sleep(self, seconds: float) -> None:
         self.now += seconds
+        self.after_sleep()
 
 
 @dataclass
@@ -293,6 +295,7 @@ class Harness:
         self.signals = QuietSignals()
         self.groups: list[FakeGroup] = []
         self.start = self.clock.now
+        self.clock.after_sleep = self.run_due
 
     def at(self, t: float, action: Callable[[], Any]) -> None:
         self.script.append((self.start + t, action))
@@ -315,6 +318,9 @@ class Harness:
         if self.script and self.script[0][0] < until:
             until = max(self.clock.now, self.script[0][0])
         self.clock.now = until + self.stalls.pop(len(self.waits), 0.0)
+        self.run_due()
+
+    def run_due(self) -> None:
         while self.script and self.script[0][0] <= self.clock.now:
             self.script.pop(0)[1]()
 
@@ -442,6 +448,24 @@ def test_signals_come_before_exits_in_one_pass(tmp_path):
     assert only(events, "decision")[0]["outcome"] == "signaled"
     assert only(events, "signal_received")[0]["signal"] == "SIGTERM"
     assert h.rdzv.barrier == []  # told to stop: no exit barrier
+
+
+def test_a_rank_killed_by_sigterm_waits_a_moment_for_the_launchers_own_signal(tmp_path):
+    h = Harness(tmp_path, max_restarts=3)
+    h.at(1.0, lambda: h.group.exit(0, -signal.SIGTERM))  # scancel reached the rank first
+    h.at(1.1, lambda: h.signals.on_signal(signal.SIGTERM))  # within SIGNAL_SETTLE_S
+    code, events = h.run()
+    assert only(events, "decision")[0]["outcome"] == "signaled"
+    assert names(events, "worker_exited", "signal_received") == [
+        "worker_exited", "signal_received", "worker_exited"]
+
+
+def test_a_rank_killed_by_sigterm_without_the_launchers_signal_is_a_failure(tmp_path):
+    h = Harness(tmp_path)
+    h.at(1.0, lambda: h.group.exit(0, -signal.SIGTERM))
+    code, events = h.run()
+    assert only(events, "decision")[0]["outcome"] == "failed"
+    assert h.clock.now - h.start == pytest.approx(1.0 + 0.2)  # the settle, then judged
 
 
 def test_sigusr1_is_held_until_a_rank_has_a_handler_and_the_job_goes_on(tmp_path):
