@@ -20,7 +20,7 @@ import signal
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ft_launcher import faults, nccl_trace, straggler_exchange
 from ft_launcher.config import LaunchConfig
@@ -44,6 +44,9 @@ from ft_launcher.watch import (
 )
 from ft_launcher.worker_env import CycleEnv, visible_gpus, worker_env
 from ft_launcher.workers import Worker, WorkerGroup, WorkerSpec, handles_signal
+
+if TYPE_CHECKING:
+    from ft_launcher.ports import GroupPort, MonitorPort, RendezvousPort, StandbyPort
 
 log = logging.getLogger("ft_launcher")
 
@@ -70,9 +73,9 @@ class CycleDeps:
 
     cfg: LaunchConfig
     rundir: RunDir
-    monitor: Any  # monitor.Monitor
-    rdzv: Any  # rendezvous.StaticRendezvous | C10dRendezvous
-    standbys: Any  # standby.StandbyPool
+    monitor: MonitorPort  # monitor.Monitor
+    rdzv: RendezvousPort  # rendezvous.StaticRendezvous | C10dRendezvous
+    standbys: StandbyPort  # standby.StandbyPool
     signals: SignalBox
     events: Callable[..., Any]
     job: JobState
@@ -83,7 +86,7 @@ class CycleDeps:
     host: str = ""
     gpus: int = 0
     clock: Clock = field(default_factory=Clock)
-    new_group: Callable[..., WorkerGroup] = WorkerGroup
+    new_group: Callable[..., GroupPort] = WorkerGroup
     handles_signal: Callable[[int, int], bool] = handles_signal
 
     def __post_init__(self) -> None:
@@ -198,7 +201,7 @@ class PeerWatch:
         # Why a rank's stop fence found this node out of its round (reason, seconds).
         self.fenced_out: tuple[str, float] | None = None
 
-    def out_after_stall(self, group: WorkerGroup, stalled_s: float) -> str | None:
+    def out_after_stall(self, group: GroupPort, stalled_s: float) -> str | None:
         """After the launcher did not run for ``stalled_s``: why this node is out of its
         round (its workers are SIGKILLed at once, before they can write a checkpoint or a
         progress file: a script without ft_agent has no stop fence), or None."""
@@ -226,7 +229,7 @@ class PeerWatch:
                       frozen_s=round(max(0.0, frozen_s), 3), next="rejoin")
         return CycleResult(self.cycle, Outcome.PEER_CHANGED, reason=f"node dropped: {reason}")
 
-    def poll(self, group: WorkerGroup, since: float) -> CycleResult | None:
+    def poll(self, group: GroupPort, since: float) -> CycleResult | None:
         """Read the round's shared state: this node dropped, nodes waiting or lost."""
         try:
             view = self.d.rdzv.poll_round()
@@ -249,7 +252,7 @@ class Cycle:
     def __init__(self, d: CycleDeps, number: int, rnd: RoundInfo,
                  armed: faults.ArmedFault | None) -> None:
         self.d, self.number, self.rnd, self.armed = d, number, rnd, armed
-        self.group: WorkerGroup = d.new_group(events=d.events)
+        self.group: GroupPort = d.new_group(events=d.events)
         self.slots: dict[int, RankSlot] = {}
         self.peers = PeerWatch(d, number, rnd)
         ft = d.cfg.ft

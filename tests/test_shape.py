@@ -13,6 +13,7 @@ IN_SHAPE = [
     "ft_launcher/supervisor.py", "ft_launcher/cycle.py", "ft_launcher/watch.py",
     "ft_launcher/signals.py", "ft_launcher/hang.py", "ft_launcher/join.py",
     "ft_launcher/journal.py", "ft_launcher/monitor.py", "ft_launcher/faults.py",
+    "ft_launcher/ports.py",
 ]
 
 
