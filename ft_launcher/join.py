@@ -45,10 +45,10 @@ class Joiner:
 
     def __init__(self, cfg: LaunchConfig, rdzv: Any, standbys: Any, signals: SignalBox,
                  events: Callable[..., Any], run_dir: Any,
-                 gpus: Callable[[], int] = count_gpus) -> None:
+                 gpus: Callable[[], int] | None = None) -> None:
         self.cfg, self.rdzv, self.standbys = cfg, rdzv, standbys
         self.signals, self.events, self.run_dir = signals, events, run_dir
-        self.gpus = gpus()
+        self.gpus = (gpus or count_gpus)()
 
     def join(self, cycle: int) -> RoundInfo | CycleResult:
         ft = self.cfg.ft

@@ -80,7 +80,7 @@ class Supervisor:
         self.standbys = parts.standbys or \
             StandbyPool(cfg, self.rundir.logs / "standby", self.event)
         self.joiner = Joiner(cfg, self.rdzv, self.standbys, self.signals, self.event,
-                             self.rundir.path, **({"gpus": parts.gpus} if parts.gpus else {}))
+                             self.rundir.path, parts.gpus)
         self.job = JobState(
             max_restarts=cfg.max_restarts,
             num_devices=max(cfg.nproc_per_node, self.joiner.gpus),
