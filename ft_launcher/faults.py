@@ -12,10 +12,17 @@ from __future__ import annotations
 
 import math
 import signal
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from ft_agent import simulated_fault
 from ft_launcher.config import ConfigError
+from ft_launcher.throttle import Throttle
+
+if TYPE_CHECKING:
+    from ft_launcher.workers import WorkerGroup
 
 FAULT_TYPES = ("rank_killed", "rank_hung", "random", "rank_exit", "rank_slow")
 KEYS = ("base_delay", "rand_delay", "rank", "cycles", "seed", "code")
@@ -193,3 +200,53 @@ def arm(plan: FaultPlan, cycle: int, world_size: int, run_id: str) -> ArmedFault
     fault_type, rank, delay = fault.fault_type, fault.rank, fault.delay
     return ArmedFault(fault_type, rank, delay, plan.code,
                       factor=plan.factor, duration=plan.duration)
+
+
+@dataclass
+class Injected:
+    """A fault the launcher delivered: the throttle of a ``rank_slow`` fault (stopped by
+    the cycle before its teardown) and the fault's record for the summary."""
+
+    throttle: Throttle | None
+    record: dict[str, Any]
+
+
+def inject(group: WorkerGroup, armed: ArmedFault, cycle: int, events: Callable[..., Any],
+           new_throttle: Callable[..., Throttle] = Throttle) -> Injected | None:
+    """Deliver ``armed`` to its victim among ``group``'s workers (``fault_injected``);
+    None when the victim is gone already. The fault fires once either way."""
+    armed.fired = True
+    victim = next((w for w in group.workers if w.rank == armed.rank), None)
+    if victim is None or not victim.alive:
+        return None
+    extra: dict[str, Any] = {}
+    throttle = None
+    if armed.fault_type == "rank_slow":
+        # A SIGSTOP/SIGCONT budget on the victim alone (throttle.py holds a pidfd, so a
+        # reused pid is never signalled); its peers' CPU use is only read.
+        peers = [w.pid for w in group.workers if w is not victim and w.alive]
+        try:
+            throttle = new_throttle(victim.pid, armed.factor, duration_s=armed.duration,
+                                    peers=peers)
+        except ProcessLookupError:
+            return None
+        throttle.start()
+        extra = {"factor": armed.factor, "duration": armed.duration,
+                 "period_s": throttle.cycle.period_s}
+    else:
+        group.signal_process(victim, victim.pid, armed.signum)
+    record = {"cycle": cycle, "kind": "injected", "fault_type": armed.fault_type,
+              "rank": armed.rank}
+    events("fault_injected", rank=armed.rank, fault_type=armed.fault_type,
+           pid=victim.pid, at=round(armed.at or time.time(), 6), delay=armed.delay, **extra)
+    return Injected(throttle, record)
+
+
+def plan_for(text: str | None, world_size: int) -> FaultPlan | None:
+    """The job's ``--ft-simulated-fault``, parsed and checked against the largest world;
+    None when no fault is asked for."""
+    if not text:
+        return None
+    plan = parse_fault(text)
+    validate_world(plan, world_size)
+    return plan

@@ -6,10 +6,20 @@ kind is one handler in a table that turns it into a call on ``Liveness`` or a re
 supervisor. Any bytes are either a valid message or a counted protocol error: nothing a
 peer sends can raise out of ``handle_frame``.
 
-The supervisor reaches the monitor only through: ``socket`` (to poll), ``drain``,
-``woke``, ``next_deadline`` / ``check``, ``take_controls``, ``diagnoses``, ``training_since``,
-``protocol_errors``, ``agent_pid`` / ``stack_file`` (for stack capture) and the cycle
-lifecycle (``start_cycle``, ``rank_exited``, ``end_cycle``).
+``MonitorView`` answers the launcher's questions about the ranks; ``Monitor`` adds the
+socket and the dispatch. The launcher reaches the monitor only through these members
+(nothing outside this module touches its ``Liveness`` or ``TimeoutBook``):
+
+- setup and teardown: ``Monitor.for_job``, ``endpoint``, ``socket`` (to poll), ``close``;
+- the cycle: ``start_cycle`` (with the cycle's callbacks: closed sections, device times,
+  stop fences), ``rank_exited``, ``end_cycle``, ``diagnoses``;
+- reading: ``drain``, ``handle_frame``;
+- the watch loop's questions: ``woke``, ``behind``, ``next_deadline``, ``check``,
+  ``training_since``, ``any_connected``, ``all_connected``, ``take_controls``;
+- the hang response: ``silent_ranks``, ``local_rank``, ``agent_pid``, ``stack_file``;
+- what the ranks reported: ``last_activity``, ``heartbeat_ages``, ``progress``,
+  ``last_progress``, ``checkpoints``, ``protocol_errors``;
+- the timeouts: ``timeouts_in_force``, ``describe_timeouts``.
 """
 
 from __future__ import annotations
@@ -23,7 +33,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -35,14 +45,22 @@ from ft_launcher.timeouts import (
     TIMEOUT_INITIAL,
     TIMEOUT_OUT_OF_SECTION,
     TimeoutBook,
+    load_state,
     parse_timeouts,
     save_state,
     section_kind,
 )
 
+if TYPE_CHECKING:
+    from ft_launcher.config import FaultToleranceConfig
+
 log = logging.getLogger("ft_launcher")
 
 EventSink = Callable[..., Any]  # event(name, **fields): records one event
+SectionClosed = Callable[[int, str, float], Any]  # (rank, section, seconds)
+DeviceTime = Callable[[int, str, float], Any]  # (rank, section, device seconds)
+# Answers a rank's stop fence: (rank, seconds stopped) -> (current, why).
+FenceAnswer = Callable[[int, float], tuple[bool, str]]
 MAX_EXAMPLES = 20  # unknown section names remembered (counted beyond that, not kept)
 DRAIN_BUDGET = 10_000  # frames read per drain before the loop looks at signals again
 # What a diagnosis may carry onto the record; anything else a peer adds is dropped.
@@ -64,33 +82,122 @@ class RankSlot:
     said_goodbye: bool = False
 
 
-class Monitor:
+class MonitorView:
+    """What the launcher asks about this cycle's ranks: their liveness, what they reported,
+    the timeouts in force. Read-only; ``Monitor`` feeds it from the socket."""
+
+    def __init__(self, book: TimeoutBook) -> None:
+        self.book = book
+        self.liveness = Liveness(book)
+        self.slots: dict[int, RankSlot] = {}
+        self.counters: dict[str, int] = {}
+        self.unknown_sections: set[str] = set()
+
+    def woke(self, planned: float, now: float) -> bool:
+        """The launcher woke at ``now`` for a wake-up planned at ``planned``; True on a stall."""
+        return self.liveness.woke(planned, now)
+
+    def behind(self, seconds: float, now: float) -> bool:
+        """The launcher was ``seconds`` behind reading its socket; True when that holds
+        verdicts (see ``Liveness.behind``)."""
+        return self.liveness.behind(seconds, now)
+
+    def next_deadline(self) -> float | None:
+        return self.liveness.next_deadline()
+
+    def check(self, now: float) -> HangVerdict | None:
+        return self.liveness.check(now)
+
+    def training_since(self) -> float | None:
+        """Wall time at which every rank was training (its first activity), or None."""
+        since = self.liveness.training_since()
+        return None if since is None else wall_of(since)
+
+    def any_connected(self) -> bool:
+        """Some rank of the cycle said hello (the script uses ft_agent)."""
+        return any(s.identity is not None for s in self.slots.values())
+
+    def all_connected(self) -> bool:
+        """Every rank of the cycle said hello (so none waits for a reply)."""
+        return all(s.identity is not None for s in self.slots.values())
+
+    def protocol_errors(self) -> dict[str, Any]:
+        """Counts of ignored messages per reason (and a few unknown section names)."""
+        errors: dict[str, Any] = dict(self.counters)
+        for reason, n in self.liveness.rejected.items():
+            errors[reason] = errors.get(reason, 0) + n
+        if self.unknown_sections:
+            errors["unknown_section_names"] = sorted(self.unknown_sections)
+        return errors
+
+    def agent_pid(self, rank: int) -> int | None:
+        """The process that runs the rank's agent, when it connected (verified pid)."""
+        slot = self.slots.get(rank)
+        return slot.agent_pid if slot is not None and slot.identity is not None else None
+
+    def stack_file(self, rank: int) -> Path | None:
+        slot = self.slots.get(rank)
+        return slot.stack_file if slot is not None and slot.identity is not None else None
+
+    def silent_ranks(self, verdict: HangVerdict, now: float) -> dict[int, float]:
+        """The suspects of a hang: ``{rank: silence}`` (see ``Liveness.silent_ranks``)."""
+        return self.liveness.silent_ranks(verdict, now)
+
+    def local_rank(self, rank: int) -> int:
+        return self.liveness.ranks[rank].local_rank
+
+    def last_activity(self) -> dict[int, float]:
+        """Each rank's latest known activity (monotonic)."""
+        return {r.rank: r.floor() for r in list(self.liveness.ranks.values())}
+
+    def heartbeat_ages(self, now: float | None = None) -> dict[int, float]:
+        """Seconds since each rank's last activity (safe from the metrics' HTTP thread)."""
+        now = time.monotonic() if now is None else now
+        return {rank: round(now - at, 3) for rank, at in self.last_activity().items()}
+
+    def progress(self) -> dict[int, int]:
+        """Each rank's last reported step, for ranks that reported one."""
+        return {r.rank: r.iteration for r in self.liveness.ranks.values()
+                if r.iteration is not None}
+
+    def last_progress(self) -> dict[int, tuple[int, float]]:
+        """``{rank: (last step, when reported, monotonic)}``."""
+        return {r.rank: (r.iteration, r.progress_at) for r in self.liveness.ranks.values()
+                if r.iteration is not None and r.progress_at is not None}
+
+    def checkpoints(self) -> list[int]:
+        """The last checkpoint step each rank reported (ranks that reported one)."""
+        return [r.checkpoint for r in self.liveness.ranks.values() if r.checkpoint is not None]
+
+    def timeouts_in_force(self) -> dict[str, Any]:
+        return self.book.in_force()
+
+    def describe_timeouts(self) -> str:
+        return self.book.describe()
+
+
+class Monitor(MonitorView):
     """ROUTER socket, authentication and message dispatch for one node's ranks."""
 
     def __init__(self, endpoint: str, book: TimeoutBook, state_path: Path,
                  events: EventSink) -> None:
+        super().__init__(book)
         self.endpoint = endpoint
-        self.book = book
         self.state_path = state_path
         self.events = events
-        self.liveness = Liveness(book)
         self.socket = zmq.Context.instance().socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.RCVHWM, 100_000)
         self.socket.bind(endpoint)
         self.cycle = 0
         self.private_dir: Path | None = None
-        self.slots: dict[int, RankSlot] = {}
         self.by_identity: dict[bytes, RankSlot] = {}
-        self.counters: dict[str, int] = {}
-        self.unknown_sections: set[str] = set()
         self.diagnoses: list[dict[str, Any]] = []
         self._controls: list[tuple[int, str]] = []
-        # Answers a rank's stop fence: (rank, seconds stopped) -> (current, why). None: no
-        # rendezvous can drop this node, so every rank's round is current.
-        self.on_fence: Callable[[int, float], tuple[bool, str]] | None = None
-        # Called with (rank, section, device seconds) when a close carries a device time.
-        self.on_device_time: Callable[[int, str, float], Any] | None = None
+        # The cycle's callbacks, given to start_cycle. No fence answer: no rendezvous can
+        # drop this node, so every rank's round is current.
+        self._fence_answer: FenceAnswer | None = None
+        self._on_device_time: DeviceTime | None = None
         self._handlers: dict[str, Callable[[RankSlot, dict[str, Any], float], None]] = {
             protocol.HEARTBEAT: self._on_heartbeat,
             protocol.SECTION_OPEN: self._on_section_open,
@@ -106,12 +213,26 @@ class Monitor:
             protocol.FENCE: self._on_fence,
         }
 
+    @classmethod
+    def for_job(cls, endpoint: str, ft: FaultToleranceConfig, state_path: Path,
+                events: EventSink) -> Monitor:
+        """The job's monitor, with the timeouts of ``ft`` and of the state file."""
+        return cls(endpoint, TimeoutBook(ft, load_state(state_path)), state_path, events)
+
     # -- cycle lifecycle ---------------------------------------------------------------
 
     def start_cycle(self, cycle: int, slots: list[RankSlot], spawned_at: dict[int, float],
-                    private_dir: Path) -> None:
-        """Forget the previous cycle; clocks start at each worker's spawn (monotonic)."""
+                    private_dir: Path, *, on_section_closed: SectionClosed | None = None,
+                    on_device_time: DeviceTime | None = None,
+                    on_fence: FenceAnswer | None = None) -> None:
+        """Forget the previous cycle; clocks start at each worker's spawn (monotonic).
+
+        The callbacks last for this cycle: every closed section (stragglers), a section's
+        device time, and the answer to a rank's stop fence."""
         self.cycle = cycle
+        self.liveness.on_section_closed = on_section_closed
+        self._on_device_time = on_device_time
+        self._fence_answer = on_fence
         self.private_dir = private_dir
         self.slots = {s.rank: s for s in slots}
         self.by_identity = {}
@@ -168,56 +289,10 @@ class Monitor:
             log.exception("cycle %d: monitor failed on a %r message", self.cycle, msg.get("k"))
             self._count("handler_error", type(exc).__name__)
 
-    def woke(self, planned: float, now: float) -> bool:
-        """The launcher woke at ``now`` for a wake-up planned at ``planned``; True on a stall."""
-        return self.liveness.woke(planned, now)
-
-    def behind(self, seconds: float, now: float) -> bool:
-        """The launcher was ``seconds`` behind reading its socket; True when that holds
-        verdicts (see ``Liveness.behind``)."""
-        return self.liveness.behind(seconds, now)
-
-    def next_deadline(self) -> float | None:
-        return self.liveness.next_deadline()
-
-    def check(self, now: float) -> HangVerdict | None:
-        return self.liveness.check(now)
-
-    def training_since(self) -> float | None:
-        """Wall time at which every rank was training (its first activity), or None."""
-        since = self.liveness.training_since()
-        return None if since is None else wall_of(since)
-
-    def any_connected(self) -> bool:
-        """Some rank of the cycle said hello (the script uses ft_agent)."""
-        return any(s.identity is not None for s in self.slots.values())
-
-    def all_connected(self) -> bool:
-        """Every rank of the cycle said hello (so none waits for a reply)."""
-        return all(s.identity is not None for s in self.slots.values())
-
     def take_controls(self) -> list[tuple[int, str]]:
         """Workload control requests received since the last call."""
         taken, self._controls = self._controls, []
         return taken
-
-    def protocol_errors(self) -> dict[str, Any]:
-        """Counts of ignored messages per reason (and a few unknown section names)."""
-        errors: dict[str, Any] = dict(self.counters)
-        for reason, n in self.liveness.rejected.items():
-            errors[reason] = errors.get(reason, 0) + n
-        if self.unknown_sections:
-            errors["unknown_section_names"] = sorted(self.unknown_sections)
-        return errors
-
-    def agent_pid(self, rank: int) -> int | None:
-        """The process that runs the rank's agent, when it connected (verified pid)."""
-        slot = self.slots.get(rank)
-        return slot.agent_pid if slot is not None and slot.identity is not None else None
-
-    def stack_file(self, rank: int) -> Path | None:
-        slot = self.slots.get(rank)
-        return slot.stack_file if slot is not None and slot.identity is not None else None
 
     # -- dispatch ----------------------------------------------------------------------
 
@@ -250,8 +325,8 @@ class Monitor:
         if not self.liveness.section_close(slot.rank, msg["name"], msg.get("t"), now):
             self._count("close_unopened", f"end of section {msg['name']!r} never opened")
         # An earlier section's GPU time (validated by the decoder), for the stragglers.
-        if "dev" in msg and self.on_device_time is not None:
-            self.on_device_time(slot.rank, msg["name"], msg["dev"])
+        if "dev" in msg and self._on_device_time is not None:
+            self._on_device_time(slot.rank, msg["name"], msg["dev"])
 
     def _on_section_close_all(self, slot: RankSlot, msg: dict[str, Any], now: float) -> None:
         self.liveness.section_close_all(slot.rank, msg.get("t"), now)
@@ -316,22 +391,16 @@ class Monitor:
         self.events("rank_goodbye", rank=slot.rank)
 
     def _on_fence(self, slot: RankSlot, msg: dict[str, Any], now: float) -> None:
-        current, why = (True, "") if self.on_fence is None else \
-            self.on_fence(slot.rank, msg["stopped_s"])
+        current, why = (True, "") if self._fence_answer is None else \
+            self._fence_answer(slot.rank, msg["stopped_s"])
         self._reply(slot, protocol.ACK, req=msg["req"], ok=bool(current),
                     error=None if current else str(why)[:1000])
 
     def _agent_fault(self, slot: RankSlot, message: str) -> None:
         # A fault the rank inflicts on itself (the Lightning callback) is recorded like one
         # the launcher delivers, so ft_report pairs it with its detection and restart.
-        try:
-            fault = json.loads(message)
-            fields = {"fault_type": str(fault["fault_type"])[:40], "at": float(fault["at"])}
-            if "code" in fault:
-                fields["code"] = int(fault["code"])
-            if not math.isfinite(fields["at"]):
-                raise ValueError("at is not finite")
-        except (ValueError, KeyError, TypeError, RecursionError, OverflowError):
+        fields = parse_agent_fault(message)
+        if fields is None:
             self._count("malformed", f"simulated_fault report {message[:80]!r}")
             return
         self.events("fault_injected", rank=slot.rank, pid=slot.pid, source="agent", **fields)
@@ -369,33 +438,10 @@ class Monitor:
     # -- timeouts ----------------------------------------------------------------------
 
     def _calculate(self, msg: dict[str, Any]) -> tuple[bool, str | None]:
-        longest = self.liveness.longest()
-        observed = self.book.state.observed
-
-        def worst(kind: str) -> float | None:
-            values = [v for v in (longest.get(kind), observed.get(kind)) if v is not None]
-            return max(values) if values else None
-
-        what = msg["what"]
-        if what == "hb":
-            hb = worst(TIMEOUT_HEARTBEAT)
-            if hb is None:
-                return False, "no heartbeat interval observed yet"
-            self.book.calculate(TIMEOUT_HEARTBEAT, hb)
-            self.book.calculate(TIMEOUT_INITIAL, worst(TIMEOUT_INITIAL))
-        elif what == "sections":
-            names = {k.split(":", 1)[1] for k in longest if k.startswith("section:")}
-            wanted = msg.get("sections")
-            if isinstance(wanted, list):
-                names &= {n for n in wanted if isinstance(n, str)}
-            for name in sorted(names):
-                self.book.calculate(section_kind(name), worst(section_kind(name)))
-            if msg.get("out_of_section", True):
-                self.book.calculate(TIMEOUT_OUT_OF_SECTION, worst(TIMEOUT_OUT_OF_SECTION))
-        else:
-            return False, f"unknown calculation {what[:40]!r}"
-        self._timeouts_changed(what)
-        return True, None
+        ok, error = calculate(self.book, self.liveness.longest(), msg)
+        if ok:
+            self._timeouts_changed(msg["what"])
+        return ok, error
 
     def _timeouts_changed(self, what: str) -> None:
         save_state(self.state_path, self.book.state)
@@ -426,6 +472,51 @@ class Monitor:
         if n == 1:  # logged once per reason, counted always; %r escapes control characters
             log.warning("cycle %d: monitor ignored a message (%s): %r", self.cycle, what,
                         detail[:200])
+
+
+def calculate(book: TimeoutBook, longest: dict[str, float],
+              msg: dict[str, Any]) -> tuple[bool, str | None]:
+    """Carry out a rank's ``calculate`` request on ``book`` from this cycle's ``longest``
+    intervals and the ones observed before: (done, why not)."""
+    observed = book.state.observed
+
+    def worst(kind: str) -> float | None:
+        values = [v for v in (longest.get(kind), observed.get(kind)) if v is not None]
+        return max(values) if values else None
+
+    what = msg["what"]
+    if what == "hb":
+        hb = worst(TIMEOUT_HEARTBEAT)
+        if hb is None:
+            return False, "no heartbeat interval observed yet"
+        book.calculate(TIMEOUT_HEARTBEAT, hb)
+        book.calculate(TIMEOUT_INITIAL, worst(TIMEOUT_INITIAL))
+    elif what == "sections":
+        names = {k.split(":", 1)[1] for k in longest if k.startswith("section:")}
+        wanted = msg.get("sections")
+        if isinstance(wanted, list):
+            names &= {n for n in wanted if isinstance(n, str)}
+        for name in sorted(names):
+            book.calculate(section_kind(name), worst(section_kind(name)))
+        if msg.get("out_of_section", True):
+            book.calculate(TIMEOUT_OUT_OF_SECTION, worst(TIMEOUT_OUT_OF_SECTION))
+    else:
+        return False, f"unknown calculation {what[:40]!r}"
+    return True, None
+
+
+def parse_agent_fault(message: str) -> dict[str, Any] | None:
+    """The fields of a rank's ``simulated_fault`` report, or None when malformed."""
+    try:
+        fault = json.loads(message)
+        fields = {"fault_type": str(fault["fault_type"])[:40], "at": float(fault["at"])}
+        if "code" in fault:
+            fields["code"] = int(fault["code"])
+        if not math.isfinite(fields["at"]):
+            raise ValueError("at is not finite")
+    except (ValueError, KeyError, TypeError, RecursionError, OverflowError):
+        return None
+    return fields
 
 
 def verified_pid(claimed: Any, spawned: int) -> int:

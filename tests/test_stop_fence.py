@@ -110,13 +110,15 @@ def test_the_client_asks_its_monitor_and_gets_its_answer(tmp_path, monkeypatch):
     events: list[tuple[str, dict]] = []
     monitor = Monitor(endpoint, TimeoutBook(FaultToleranceConfig()), tmp_path / "state.json",
                       lambda name, **fields: events.append((name, fields)))
-    monitor.start_cycle(0, [RankSlot(0, 0, pid=os.getpid(), token="tok")],
-                        {0: time.monotonic()}, tmp_path)
     asked: list[tuple[int, float]] = []
 
     def answer(rank: int, stopped_s: float) -> tuple[bool, str]:
         asked.append((rank, stopped_s))
         return (False, "round 2 is over") if stopped_s > 2 else (True, "")
+
+    # The answer is the cycle's callback, given when the cycle starts.
+    monitor.start_cycle(0, [RankSlot(0, 0, pid=os.getpid(), token="tok")],
+                        {0: time.monotonic()}, tmp_path, on_fence=answer)
 
     done = threading.Event()
 
@@ -134,8 +136,6 @@ def test_the_client_asks_its_monitor_and_gets_its_answer(tmp_path, monkeypatch):
     client = RankMonitorClient()
     try:
         client.init_workload_monitoring()
-        assert client._ask_fence(1.5) == (True, "")  # no rendezvous: always current
-        monitor.on_fence = answer
         assert client._ask_fence(1.5) == (True, "")
         assert client._ask_fence(3.25) == (False, "round 2 is over")
         assert asked == [(0, 1.5), (0, 3.25)]

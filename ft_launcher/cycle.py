@@ -1,0 +1,540 @@
+"""One cycle on this node: start the workers of a round, watch them, stop them.
+
+A ``Cycle`` owns everything that dies with the cycle: the worker group, the rank slots,
+the armed fault and its throttle, the straggler detector and exchange, the round. Its
+``run()`` returns a ``CycleResult`` for ``policy.decide``; what outlives the cycle (the
+job's records of faults, worker exits and diagnoses) goes to the ``JobRecord`` it is given.
+
+One pass of the watch loop reads, then judges in a fixed order: a launcher stall (this
+node may have been dropped), the queued messages, then signals -> controls -> exits ->
+hang -> stragglers -> peers. A rank's own request (exclude this node, shut down) thus
+explains its exit after it, and a signal from the scheduler explains the workers' deaths.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import signal
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ft_launcher import faults, nccl_trace, straggler_exchange
+from ft_launcher.config import LaunchConfig
+from ft_launcher.hang import HangResponse
+from ft_launcher.liveness import HangVerdict
+from ft_launcher.monitor import RankSlot, monotonic_of, wall_of
+from ft_launcher.policy import CycleResult, JobState, Outcome, WorkerExit
+from ft_launcher.rendezvous import RendezvousLost, RoundInfo
+from ft_launcher.rundir import RunDir
+from ft_launcher.signals import PASS_THROUGH_SIGNALS, TERMINATING_SIGNAL_NAMES, SignalBox
+from ft_launcher.straggler import DETECTED, StragglerDetector
+from ft_launcher.watch import (
+    MESSAGE_BATCH_S,
+    Clock,
+    Wait,
+    WakeInputs,
+    WatchState,
+    must_poll,
+    next_wake,
+    socket_wait,
+)
+from ft_launcher.worker_env import CycleEnv, visible_gpus, worker_env
+from ft_launcher.workers import Worker, WorkerGroup, WorkerSpec, handles_signal
+
+if TYPE_CHECKING:
+    from ft_launcher.ports import GroupPort, MonitorPort, RendezvousPort, StandbyPort
+
+log = logging.getLogger("ft_launcher")
+
+SIGNAL_SETTLE_S = 0.2
+# A rank's first section times of a cycle are not scored for stragglers (warm-up noise).
+STRAGGLER_WARMUP_STEPS = 5
+# A rank still working this long after the stop signal ignores it, and is killed at once.
+IGNORE_GRACE_S = 0.5
+
+
+@dataclass
+class JobRecord:
+    """What the job's summary lists, appended to by each cycle."""
+
+    faults: list[dict[str, Any]] = field(default_factory=list)
+    workers: list[dict[str, Any]] = field(default_factory=list)
+    diagnoses: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class CycleDeps:
+    """The job-lifetime collaborators a cycle uses (tests pass fakes for the monitor, the
+    rendezvous, the standby pool, the worker group, the clock and the wait)."""
+
+    cfg: LaunchConfig
+    rundir: RunDir
+    monitor: MonitorPort  # monitor.Monitor
+    rdzv: RendezvousPort  # rendezvous.StaticRendezvous | C10dRendezvous
+    standbys: StandbyPort  # standby.StandbyPool
+    signals: SignalBox
+    events: Callable[..., Any]
+    job: JobState
+    record: JobRecord
+    status: Callable[[], None]  # prints the status line when due
+    status_due: Callable[[], float | None]
+    wait: Wait | None = None  # None: a poll on the monitor's socket and the signal fd
+    host: str = ""
+    gpus: int = 0
+    clock: Clock = field(default_factory=Clock)
+    new_group: Callable[..., GroupPort] = WorkerGroup
+    handles_signal: Callable[[int, int], bool] = handles_signal
+
+    def __post_init__(self) -> None:
+        if self.wait is None:
+            self.wait = socket_wait(self.monitor.socket, self.signals.wake_fd())
+
+
+@dataclass
+class RankPlan:
+    """What the cycle starts for one local rank: its spec, and its monitor credentials."""
+
+    spec: WorkerSpec
+    token: str
+    stack_file: Path
+
+
+def plan_workers(d: CycleDeps, cycle: int, rnd: RoundInfo,
+                 armed: faults.ArmedFault | None) -> list[RankPlan]:
+    """Each local rank's spec and credentials for this round (nothing is started)."""
+    cfg = d.cfg
+    env_of_cycle = CycleEnv(
+        world_size=rnd.group_world_size * cfg.nproc_per_node,
+        nproc_per_node=cfg.nproc_per_node, group_rank=rnd.group_rank,
+        group_world_size=rnd.group_world_size, role=cfg.role, master_addr=rnd.master_addr,
+        master_port=rnd.master_port, restarts=d.job.restarts, max_restarts=cfg.max_restarts,
+        run_id=cfg.run_id, endpoint=d.monitor.endpoint, run_dir=str(d.rundir.path),
+        cycle=cycle, device_map=d.job.device_map(),
+        gpus=visible_gpus(os.environ, d.gpus) if d.gpus else (),
+    )
+    plans = []
+    for local_rank in range(cfg.nproc_per_node):
+        rank = rnd.group_rank * cfg.nproc_per_node + local_rank
+        # A token per rank and cycle: a hello can only claim the rank it was given to.
+        token = secrets.token_hex(16)
+        stack_file = d.rundir.private / f"stack_c{cycle}_r{rank}.raw"
+        fault = armed.env_value() if armed is not None and armed.rank == rank \
+            and armed.fault_type == "rank_exit" else None
+        env = worker_env(
+            os.environ, env_of_cycle, local_rank, token=token, stack_file=str(stack_file),
+            error_file=str(d.rundir.cycle_log_dir(cycle) / f"rank_{rank}_error.json"),
+            simulated_fault=fault)
+        # NCCL's flight recorder, when the user turned it on: dumps land in ipc/.
+        traces = nccl_trace.worker_env(env, d.rundir.private)
+        if traces:
+            nccl_trace.trace_dir(d.rundir.private)
+            env.update(traces)
+        env.update(rendezvous_env(d.rdzv.stop_fence_s, rnd))
+        echo = cfg.redirects.get(local_rank, 0) == 0 or cfg.tee.get(local_rank, 0) != 0
+        if cfg.local_ranks_filter is not None and local_rank not in cfg.local_ranks_filter:
+            echo = False
+        spec = WorkerSpec(local_rank, rank, cfg.entrypoint + cfg.script_args, env,
+                          d.rundir.rank_log(cycle, rank), echo)
+        plans.append(RankPlan(spec, token, stack_file))
+    return plans
+
+
+def rendezvous_env(fence_s: float | None, rnd: RoundInfo) -> dict[str, str]:
+    """Where a node can be dropped (dynamic rendezvous): the stop a rank asks about
+    before going on (FT_STOP_FENCE_S, see ft_agent.stop_fence) and its round."""
+    if fence_s is None:
+        return {}
+    return {"FT_STOP_FENCE_S": f"{fence_s:g}", "FT_RDZV_ROUND": str(rnd.round)}
+
+
+def arm_fault(plan: faults.FaultPlan | None, cycle: int, rnd: RoundInfo,
+              cfg: LaunchConfig) -> faults.ArmedFault | None:
+    """The simulated fault of this cycle when its victim is one of this node's ranks."""
+    if plan is None:
+        return None
+    armed = faults.arm(plan, cycle, rnd.group_world_size * cfg.nproc_per_node, cfg.run_id)
+    first = rnd.group_rank * cfg.nproc_per_node
+    if armed is not None and not first <= armed.rank < first + cfg.nproc_per_node:
+        return None  # the victim lives on another node
+    return armed
+
+
+def ignoring_since(monitor: Any, clock: Clock,
+                   signalled_at: float) -> Callable[[list[Worker]], list[Worker]]:
+    """Which live workers ignore the stop signal: still active (heartbeats, sections,
+    steps) ``IGNORE_GRACE_S`` after it. A rank that saves a checkpoint on SIGTERM goes
+    quiet while it does and keeps the whole grace."""
+    def ignoring(alive: list[Worker]) -> list[Worker]:
+        now = clock.monotonic()
+        if now < signalled_at + IGNORE_GRACE_S:
+            return []
+        monitor.drain(now)
+        active = monitor.last_activity()
+        return [w for w in alive if w.rank in active
+                and active[w.rank] > signalled_at + IGNORE_GRACE_S]
+    return ignoring
+
+
+def progress_iteration(cfg: LaunchConfig, monitor: Any, job: JobState) -> int | None:
+    """The checkpoint progress of a cycle, for --ft-max-no-progress-cycles: the
+    checkpoint-iteration file when given, else the checkpoints the ranks reported."""
+    path = cfg.ft.checkpoint_iteration_file
+    if path:
+        try:
+            return int(Path(path).read_text().strip())
+        except (OSError, ValueError):
+            return None
+    saved = monitor.checkpoints()
+    return max(saved) if saved else job.last_iteration
+
+
+class PeerWatch:
+    """This node's standing among the others (one cycle): a stall or a rank's stop fence
+    may show that they went on without it; a poll shows nodes waiting or lost."""
+
+    def __init__(self, d: CycleDeps, cycle: int, rnd: RoundInfo) -> None:
+        self.d, self.cycle, self.round_no = d, cycle, rnd.round
+        # Why a rank's stop fence found this node out of its round (reason, seconds).
+        self.fenced_out: tuple[str, float] | None = None
+
+    def out_after_stall(self, group: GroupPort, stalled_s: float) -> str | None:
+        """After the launcher did not run for ``stalled_s``: why this node is out of its
+        round (its workers are SIGKILLed at once, before they can write a checkpoint or a
+        progress file: a script without ft_agent has no stop fence), or None."""
+        standing = self.d.rdzv.standing(stalled_s)
+        if standing.current:
+            return None
+        group.kill_all()
+        return standing.reason
+
+    def answer_fence(self, rank: int, stopped_s: float) -> tuple[bool, str]:
+        """A rank was stopped ``stopped_s`` and asks whether its round is still current."""
+        standing = self.d.rdzv.standing(stopped_s)
+        self.d.events("stop_fence", rank=rank, stopped_s=round(stopped_s, 3),
+                      current=standing.current, reason=standing.reason)
+        if not standing.current and self.fenced_out is None:
+            self.fenced_out = (standing.reason, stopped_s)
+        return standing.current, standing.reason
+
+    def dropped(self, reason: str, frozen_s: float) -> CycleResult:
+        """The others went on without this node: its workers are stopped already; it
+        re-joins the rendezvous, as a hot spare when the round is full, or ends with the
+        job (``RendezvousClosed``)."""
+        self.d.rdzv.mark_dropped()
+        self.d.events("node_dropped", round=self.round_no, reason=reason,
+                      frozen_s=round(max(0.0, frozen_s), 3), next="rejoin")
+        return CycleResult(self.cycle, Outcome.PEER_CHANGED, reason=f"node dropped: {reason}")
+
+    def poll(self, group: GroupPort, since: float) -> CycleResult | None:
+        """Read the round's shared state: this node dropped, nodes waiting or lost."""
+        try:
+            view = self.d.rdzv.poll_round()
+        except RendezvousLost as exc:
+            return CycleResult(self.cycle, Outcome.RENDEZVOUS_LOST, reason=str(exc))
+        if view.dropped is not None:  # stopped inside this pass, or too slow to
+            group.kill_all()  # keep alive: stale workers stop before they write
+            return self.dropped(view.dropped, self.d.clock.monotonic() - since)
+        if view.waiting > 0 or view.lost:
+            # lost: a node of this round stopped keeping alive (dead or frozen); its
+            # ranks are gone from the collectives, so the round re-forms without it.
+            self.d.events("peers_waiting", waiting=view.waiting, lost=list(view.lost))
+            return CycleResult(self.cycle, Outcome.PEER_CHANGED)
+        return None
+
+
+class Cycle:
+    """One cycle of one round on this node; ``run()`` returns how it ended."""
+
+    def __init__(self, d: CycleDeps, number: int, rnd: RoundInfo,
+                 armed: faults.ArmedFault | None) -> None:
+        self.d, self.number, self.rnd, self.armed = d, number, rnd, armed
+        self.group: GroupPort = d.new_group(events=d.events)
+        self.slots: dict[int, RankSlot] = {}
+        self.peers = PeerWatch(d, number, rnd)
+        ft = d.cfg.ft
+        self.stragglers = StragglerDetector(ft.straggler_threshold, ft.straggler_window,
+                                            ft.straggler_section, host=d.host,
+                                            warmup_steps=STRAGGLER_WARMUP_STEPS)
+        # Other nodes' medians through the rendezvous store (several nodes only).
+        self.exchange: straggler_exchange.Exchange | None = None
+        self.throttle: Any = None  # a rank_slow fault in progress
+        self.hang = HangResponse(d.monitor, d.rundir.stacks, number,
+                                 ft.rank_termination_signal, d.events)
+
+    def run(self) -> CycleResult:
+        self.start()
+        return self.finish(self.watch())
+
+    def abort(self) -> None:
+        """The launcher itself failed: kill whatever this cycle started."""
+        self.group.kill_all()
+
+    # -- start and teardown ------------------------------------------------------------
+
+    def start(self) -> None:
+        d, rnd = self.d, self.rnd
+        plans = plan_workers(d, self.number, rnd, self.armed)
+        # Warm restart keeps a TCPStore listening for the next single-node cycle, so no rank
+        # waits out the store client's retry back-off while rank 0's store comes up.
+        port = d.standbys.take_store() if rnd.group_world_size == 1 else None
+        if port is not None:
+            for plan in plans:
+                plan.spec.env.update(MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
+        self.group.start([p.spec for p in plans], warm=d.standbys.take)
+        d.standbys.cycle_started()
+        d.signals.carry_over()
+        by_rank = {p.spec.rank: p for p in plans}
+        self.slots = {w.rank: RankSlot(w.rank, w.local_rank, pid=w.pid,
+                                       token=by_rank[w.rank].token,
+                                       stack_file=by_rank[w.rank].stack_file)
+                      for w in self.group.workers}
+        spawned = {w.rank: monotonic_of(w.started_at) for w in self.group.workers}
+        d.monitor.start_cycle(self.number, [self.slots[w.rank] for w in self.group.workers],
+                              spawned, d.rundir.private,
+                              on_section_closed=self.stragglers.observe,
+                              on_device_time=self.stragglers.observe_device,
+                              on_fence=self.peers.answer_fence)
+        self.exchange = straggler_exchange.for_round(
+            d.rdzv, rnd.group_rank, rnd.group_world_size, d.host)
+        workers = self.group.workers
+        d.events("workers_started", ranks=[w.rank for w in workers],
+                 pids=[w.pid for w in workers], device_map=d.job.device_map(),
+                 warm=[w.warm for w in workers])
+
+    def finish(self, result: CycleResult) -> CycleResult:
+        """Stop the workers, read what they said last, close the cycle's books."""
+        d = self.d
+        self.stop_workers(result)
+        d.monitor.drain(d.clock.monotonic())  # reports sent while the group was stopping
+        late = self.check_controls() if result.outcome is Outcome.FAILED else None
+        if late is not None:  # asked for just before exiting, read after the exit
+            late.failures = result.failures
+            result = late
+        for w in self.group.workers:
+            if w.exit_code is not None and not w.reported:
+                self.report_exit(w)
+        for rank, (iteration, at) in d.monitor.last_progress().items():
+            d.events("last_progress", rank=rank, iteration=iteration,
+                     at=round(wall_of(at), 6))
+        for rank, per_kind in d.monitor.end_cycle().items():
+            for kind, stats in per_kind.items():
+                d.events("interval_stats", rank=rank, kind=kind, **stats)
+        result.diagnoses = list(d.monitor.diagnoses)
+        d.record.diagnoses.extend(result.diagnoses)
+        result.progress_iteration = progress_iteration(d.cfg, d.monitor, d.job)
+        return result
+
+    def stop_workers(self, result: CycleResult) -> None:
+        if self.throttle is not None:  # before the teardown: a stopped worker cannot exit
+            self.throttle.stop()
+            self.throttle = None
+        if result.outcome is Outcome.SUCCEEDED:
+            self.group.kill_all()  # exited leaders may have left children in their groups
+            return
+        # After a fault a rank that carries on is not waited for; when the launcher itself
+        # is told to stop, every rank keeps the whole --term-timeout (a checkpoint).
+        signaled = result.outcome is Outcome.SIGNALED
+        grace = self.d.cfg.term_timeout if signaled else self.d.cfg.workers_stop_timeout
+        signum = result.signum if signaled else signal.SIGTERM
+        ignoring = None if signaled else \
+            ignoring_since(self.d.monitor, self.d.clock, self.d.clock.monotonic())
+        self.group.stop(grace, signum, ignoring)  # ends with kill_all
+
+    # -- the watch loop ----------------------------------------------------------------
+
+    def watch(self) -> CycleResult:
+        """Sleep until something happens, then check in a fixed order what ended the cycle."""
+        clock = self.d.clock
+        state = WatchState(spawned_at=max(w.started_at for w in self.group.workers),
+                           next_peer_check=clock.monotonic() + self.d.cfg.monitor_interval)
+        while True:
+            wake = next_wake(self.wake_inputs(state))
+            planned = clock.monotonic() + wake.timeout
+            self.d.wait(wake.timeout, wake.signals_only)  # type: ignore[misc]
+            result = self.one_pass(state, planned)
+            if result is not None:
+                return result
+
+    def wake_inputs(self, state: WatchState) -> WakeInputs:
+        d, armed = self.d, self.armed
+        fault_due = None
+        if armed is not None and armed.by_launcher and not armed.fired:
+            fault_due = armed.at if armed.at is not None else armed.no_agent_due(state.spawned_at)
+        polls = must_poll(d.rdzv.polls_peers, self.exchange is not None,
+                          d.standbys.needs_ticks, d.signals.any_owed())
+        return WakeInputs(now=d.clock.monotonic(), wall=d.clock.time(),
+                          interval=d.cfg.monitor_interval, polls=polls,
+                          deadline=d.monitor.next_deadline(), fault_due=fault_due,
+                          status_due=d.status_due(), batch_until=state.batch_until)
+
+    def one_pass(self, state: WatchState, planned: float) -> CycleResult | None:
+        """Read, then judge: signals -> controls -> exits -> hang -> stragglers -> peers."""
+        now = self.d.clock.monotonic()
+        result = self.read(state, planned, now)
+        if result is not None:
+            return result
+        may_judge = self.note_backlog(state, now)
+        self.note_training(state)
+        self.maybe_inject(state)
+        result = (self.check_signals() or self.check_controls() or self.check_exits()
+                  or (may_judge and self.check_hang()) or self.check_stragglers())
+        if result:
+            return result
+        self.d.status()
+        # Standbys are spawned once every rank is training (first heartbeat or section).
+        self.d.standbys.tick(state.training_at is not None)
+        if self.d.clock.monotonic() >= state.next_peer_check:
+            state.next_peer_check = self.d.clock.monotonic() + self.d.cfg.monitor_interval
+            return self.peers.poll(self.group, now)
+        return None
+
+    def read(self, state: WatchState, planned: float, now: float) -> CycleResult | None:
+        """A stall first (stopped this long, the node may have been dropped, and then its
+        workers must not run on a moment longer); then everything queued, before judging
+        anyone: a rank's own heartbeats may wait behind a burst or the launcher's stall."""
+        d = self.d
+        if d.monitor.woke(planned, now):
+            dropped = self.peers.out_after_stall(self.group, now - planned)
+            d.events("launcher_stalled", late_s=round(now - planned, 3), cause="paused")
+            if dropped is not None:
+                return self.peers.dropped(dropped, now - planned)
+        d.signals.drain_wakeups()
+        read, empty = d.monitor.drain(now)
+        if self.peers.fenced_out is not None:  # a rank's stop fence found this node out
+            self.group.kill_all()
+            return self.peers.dropped(*self.peers.fenced_out)
+        if read and d.monitor.all_connected():
+            state.batch_until = now + MESSAGE_BATCH_S
+        state.empty = empty
+        return None
+
+    def note_backlog(self, state: WatchState, now: float) -> bool:
+        """A queue that was behind and is empty now was a stall; whether to judge now."""
+        empty = state.empty
+        if empty and state.queued_since is not None and \
+                self.d.monitor.behind(now - state.queued_since, now):
+            self.d.events("launcher_stalled", late_s=round(now - state.queued_since, 3),
+                          cause="backlog")
+        return state.note_queue(empty, now)
+
+    def note_training(self, state: WatchState) -> None:
+        if state.training_at is None:
+            state.training_at = self.d.monitor.training_since()
+            if state.training_at is not None:
+                self.d.events("training_started", at=round(state.training_at, 6))
+
+    def maybe_inject(self, state: WatchState) -> None:
+        armed, d = self.armed, self.d
+        if armed is None or not armed.by_launcher or armed.fired:
+            return
+        armed.start_clock(state.spawned_at, state.training_at, d.monitor.any_connected(),
+                          d.clock.time())
+        if armed.at is not None and d.clock.time() >= armed.at:
+            injected = faults.inject(self.group, armed, self.number, d.events)
+            if injected is not None:
+                self.throttle = injected.throttle
+                d.record.faults.append(injected.record)
+
+    # -- the checks, in the order of a pass ----------------------------------------------
+
+    def check_signals(self) -> CycleResult | None:
+        signals, group = self.d.signals, self.group
+        received: set[int] = set()  # offered to the ranks just now: no second look below
+        for signum in signals.take():
+            if signum not in PASS_THROUGH_SIGNALS:
+                self.d.events("signal_received", signal=signal.Signals(signum).name)
+                return CycleResult(self.number, Outcome.SIGNALED, signum=signum)
+            received.add(signum)
+            owed = signals.owe(signum, (w.rank for w in group.alive()))
+            if not self.pass_on(signum, owed) and owed:
+                self.d.events("signal_held", signal=signal.Signals(signum).name,
+                              ranks=sorted(owed), reason="no handler installed yet")
+        for signum, owed in signals.owed.items():
+            if owed and signum not in received:
+                self.pass_on(signum, owed)
+        return None
+
+    def pass_on(self, signum: int, owed: set[int]) -> bool:
+        """Hand an owed pass-through signal to each rank in ``owed`` that handles it by now
+        (it leaves ``owed``); True when one did.
+
+        Its default action kills a process, and a rank started a moment ago (the signal
+        came during a restart, or while it imported) has no handler yet: it gets the signal
+        once it installs one, and the job goes on meanwhile."""
+        ready = [w for w in self.group.alive()
+                 if w.rank in owed and self.d.handles_signal(w.pid, signum)]
+        for w in ready:
+            self.group.signal_process(w, w.pid, signum)
+            owed.discard(w.rank)
+        if ready:
+            self.d.events("signal_forwarded", signal=signal.Signals(signum).name,
+                          ranks=[w.rank for w in ready], waiting=sorted(owed))
+        return bool(ready)
+
+    def check_controls(self) -> CycleResult | None:
+        for _rank, action in self.d.monitor.take_controls():
+            if action != "continue":
+                return CycleResult(self.number, Outcome.CONTROL, control=action)
+        return None
+
+    def check_exits(self) -> CycleResult | None:
+        group = self.group
+        exits = [(w, self.report_exit(w)) for w in group.poll()]
+        failures = [info for w, info in exits if w.exit_code != 0]
+        if not failures:
+            return None if group.alive() else CycleResult(self.number, Outcome.SUCCEEDED)
+        if any(f.signal in TERMINATING_SIGNAL_NAMES for f in failures):
+            # A scheduler (scancel, time limit) signals every process of the job at once:
+            # the workers' deaths may be seen before the launcher's own signal arrives.
+            self.d.clock.sleep(SIGNAL_SETTLE_S)
+            signaled = self.check_signals()
+            if signaled is not None:
+                return signaled
+        group.poll()  # collect ranks that died in the same instant
+        failures += [self.report_exit(w) for w in group.workers
+                     if w.exit_code not in (None, 0) and not w.reported]
+        for f in failures:
+            self.d.record.faults.append({"cycle": self.number, "kind": "worker_failed",
+                                         **asdict(f)})
+        return CycleResult(self.number, Outcome.FAILED, failures=failures)
+
+    def report_exit(self, w: Worker) -> WorkerExit:
+        w.reported = True
+        self.d.monitor.rank_exited(w.rank)
+        self.stragglers.forget(w.rank)
+        how = w.describe_exit()
+        info = WorkerExit(w.rank, w.local_rank, w.pid, how["exit_code"], how["signal"], w.warm)
+        # Stopped by the launcher only when it signalled the worker while it ran: one that
+        # exited by itself during the teardown keeps its own code and cause.
+        record = {"stopped_by_launcher": w.signalled, **asdict(info)}
+        if how.get("output_dropped_bytes"):  # its log lost output (a full disk)
+            record["output_dropped_bytes"] = how["output_dropped_bytes"]
+        self.d.events("worker_exited", **record)
+        self.d.record.workers.append({"cycle": self.number, **record})
+        return info
+
+    def check_hang(self) -> CycleResult | None:
+        verdict: HangVerdict | None = self.d.monitor.check(self.d.clock.monotonic())
+        if verdict is None:
+            return None
+        verdict = self.hang.respond(self.group, verdict)
+        self.d.record.faults.append({"cycle": self.number, "kind": "hang", **asdict(verdict)})
+        return CycleResult(self.number, Outcome.HUNG, hang=verdict)
+
+    def check_stragglers(self) -> CycleResult | None:
+        det = self.stragglers
+        if self.exchange is not None:
+            for node in self.exchange.poll(det.local_medians(), det.active_clock()):
+                for rank, median_s in node.medians.items():
+                    det.observe_remote(rank, node.host, median_s, node.clock)
+        for ev in det.evaluate():
+            self.d.events(ev.event, **ev.fields())
+            action = self.d.cfg.ft.straggler_action
+            if ev.event == DETECTED and action != "report":
+                return CycleResult(self.number, Outcome.STRAGGLER, straggler=ev.fields(),
+                                   action=action)
+        return None

@@ -1,0 +1,101 @@
+"""The launcher's signal plumbing: handlers, the wake-up fd, pending and owed signals.
+
+Handlers only record a signal (and wake the loop through the wake-up fd); the loop takes
+them in its next pass. A terminating signal that arrives while the launcher is blocked
+(the rendezvous) raises ``Interrupted`` instead. A pass-through signal (SIGUSR1) that a
+rank cannot take yet (no handler installed) is *owed* to it until it can.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import select
+import signal
+import socket
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+PASS_THROUGH_SIGNALS = (signal.SIGUSR1,)  # handed to the workers, the job goes on
+TERMINATING_SIGNAL_NAMES = {signal.Signals(s).name for s in FORWARDED_SIGNALS}
+
+
+class Interrupted(Exception):
+    """A terminating signal arrived while the supervisor was blocked (rendezvous)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+class SignalBox:
+    """Pending signals, owed pass-through signals and the fd that wakes the loop."""
+
+    def __init__(self) -> None:
+        self.pending: list[int] = []
+        # Pass-through signals not yet handed to these ranks of the cycle.
+        self.owed: dict[int, set[int]] = {}
+        self._blocking = False
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+
+    def install(self) -> None:
+        """Handle the forwarded, pass-through and SIGCHLD signals; wake the loop on each."""
+        signal.set_wakeup_fd(self._wake_w.fileno(), warn_on_full_buffer=False)
+        for s in (*FORWARDED_SIGNALS, *PASS_THROUGH_SIGNALS, signal.SIGCHLD):
+            signal.signal(s, self.on_signal)
+
+    def on_signal(self, signum: int, _frame: Any = None) -> None:
+        self.pending.append(signum)
+        if self._blocking and signum in FORWARDED_SIGNALS:
+            raise Interrupted(signum)
+
+    @contextlib.contextmanager
+    def interruptible(self) -> Iterator[None]:
+        """While inside, a terminating signal raises ``Interrupted`` in the handler."""
+        self._blocking = True
+        try:
+            yield
+        finally:
+            self._blocking = False
+
+    def wake_fd(self) -> int:
+        return self._wake_r.fileno()
+
+    def drain_wakeups(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def pause(self, seconds: float) -> None:
+        """Sleep up to ``seconds``, less when a signal arrives."""
+        select.select([self._wake_r], [], [], seconds)
+        self.drain_wakeups()
+
+    def take(self) -> list[int]:
+        """The signals received since the last call, SIGCHLD left out (it only wakes)."""
+        taken = [s for s in self.pending if s != signal.SIGCHLD]
+        self.pending.clear()
+        return taken
+
+    def terminating(self) -> int | None:
+        """A pending terminating signal, left pending; or None."""
+        return next((s for s in self.pending if s in FORWARDED_SIGNALS), None)
+
+    def owe(self, signum: int, ranks: Iterable[int]) -> set[int]:
+        """Owe ``signum`` to ``ranks`` too; returns every rank it is owed to now."""
+        owed = self.owed.setdefault(signum, set())
+        owed.update(ranks)
+        return owed
+
+    def any_owed(self) -> bool:
+        return any(self.owed.values())
+
+    def carry_over(self) -> None:
+        """A new cycle started: a pass-through signal that some rank of the last cycle
+        never got is owed to the new ranks (Slurm's time-limit warning still stands)."""
+        self.pending.extend(signum for signum, ranks in self.owed.items() if ranks)
+        self.owed.clear()
