@@ -63,9 +63,9 @@ class _Cycle:
 
     n: int
     start: float
+    ranks: list[int] = field(default_factory=list)  # the ranks workers_started names
     rendezvous_done: float | None = None
     workers_started: float | None = None
-    ranks: list[int] = field(default_factory=list)
     first_step: dict[int, tuple[float, int]] = field(default_factory=dict)  # rank -> ts, it
     connected: dict[int, float] = field(default_factory=dict)
     training_started: float | None = None

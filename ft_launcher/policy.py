@@ -93,12 +93,12 @@ class JobState:
     num_devices: int
     nproc: int
     host: str
-    skip_bad_iterations: bool = False
     max_no_progress_cycles: int | None = None
+    skip_bad_iterations: bool = False
+    excluded_devices: set[int] = field(default_factory=set)
     restarts: int = 0
     rotation: int = 0
     rotations_left: int = 0
-    excluded_devices: set[int] = field(default_factory=set)
     last_iteration: int | None = None
     cycles_without_progress: int = 0
 
