@@ -40,7 +40,7 @@ from ft_launcher.rendezvous import (
     StaticRendezvous,
 )
 from ft_launcher.rundir import RunDir
-from ft_launcher.standby import StandbyPool, await_first_cycle
+from ft_launcher.standby_pool import StandbyPool, await_first_cycle
 from ft_launcher.status import StatusTimer, status_line
 from ft_launcher.straggler import DETECTED, StragglerDetector
 from ft_launcher.throttle import Throttle
