@@ -21,7 +21,7 @@ from typing import IO, Any
 
 from ft_agent import nvrx_types, protocol, simulated_fault, stop_fence
 from ft_agent.device_time import DeviceTimer
-from ft_agent.link import REQUEST_TIMEOUT_S, SEND_HWM, MonitorLink, ask_fence
+from ft_agent.link import REQUEST_TIMEOUT_S, MonitorLink, ask_fence
 from ft_agent.nvrx_types import (
     CalculatedMarks,
     HeartbeatTimeouts,
@@ -32,9 +32,6 @@ from ft_agent.nvrx_types import (
 )
 
 log = logging.getLogger("ft_agent")
-
-__all__ = ["MAX_SECTION_NAMES", "REPORT_FLUSH_S", "REQUEST_TIMEOUT_S", "SEND_HWM",
-           "SHUTDOWN_LINGER_MS", "RankMonitorClient", "RankMonitorClientError", "get_client"]
 
 SHUTDOWN_LINGER_MS = 2000
 # A fire-and-forget report needs a moment on ZeroMQ's I/O thread before the process exits.

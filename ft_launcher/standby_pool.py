@@ -80,11 +80,9 @@ from typing import Any
 from ft_launcher.config import LaunchConfig
 from ft_launcher.output import Sink, open_log
 from ft_launcher.standby_process import (
-    BOOTSTRAP,
     ChildProcess,
     PythonEntry,
     Standby,
-    become_subreaper,
     encode_record,
     kill_group,
     reap,
@@ -92,14 +90,9 @@ from ft_launcher.standby_process import (
     spawn_standby,
 )
 from ft_launcher.workers import Worker, WorkerSpec
-from ft_launcher.zygote_link import ZYGOTE_BOOTSTRAP, StoreHosts, Zygote, ZygoteSide
+from ft_launcher.zygote_link import StoreHosts, Zygote, ZygoteSide
 
 log = logging.getLogger("ft_launcher")
-
-__all__ = ["BOOTSTRAP", "MAX_EARLY_DEATHS", "REFILL_DELAY_S", "SPAWN_DELAY_S",
-           "STANDBY_ENV_KEYS", "ZYGOTE_BOOTSTRAP", "ChildProcess", "FirstCycleWait",
-           "PythonEntry", "StandbyPool", "await_first_cycle", "become_subreaper",
-           "reap_orphans"]
 
 SPAWN_DELAY_S = 5.0  # spawn standbys (raise the zygote) this long after a cycle started
 # Replacement forks wait for the new cycle's first heartbeats (or this long): a fork copies
