@@ -17,10 +17,11 @@ import threading
 import time
 import warnings
 from collections.abc import Collection, Mapping
-from typing import Any
+from typing import IO, Any
 
 from ft_agent import nvrx_types, protocol, simulated_fault, stop_fence
 from ft_agent.device_time import DeviceTimer
+from ft_agent.link import REQUEST_TIMEOUT_S, MonitorLink, ask_fence
 from ft_agent.nvrx_types import (
     CalculatedMarks,
     HeartbeatTimeouts,
@@ -32,10 +33,6 @@ from ft_agent.nvrx_types import (
 
 log = logging.getLogger("ft_agent")
 
-# How long a request (hello, timeout calculation) waits for the monitor before giving up.
-REQUEST_TIMEOUT_S = 10.0
-# Heartbeats queued while the monitor is unreachable; beyond this they are dropped.
-SEND_HWM = 1000
 SHUTDOWN_LINGER_MS = 2000
 # A fire-and-forget report needs a moment on ZeroMQ's I/O thread before the process exits.
 REPORT_FLUSH_S = 0.2
@@ -62,22 +59,17 @@ class RankMonitorClient:
     CURRENT_TIMEOUTS_STATE_KEY = nvrx_types.CURRENT_TIMEOUTS_STATE_KEY
 
     def __init__(self) -> None:
-        self._sock: Any = None
-        self._ctx: Any = None
-        self._lock = threading.Lock()
-        self._req = 0
+        self._link: Any = None  # a MonitorLink while connected
         self._enabled = False
         self._warned = False
-        self._stack_file: Any = None
-        self._noblock: int = 0
-        self._zmq_error: type[Exception] = Exception
+        self._stack_file: IO[str] | None = None
         self.timeouts: dict[str, Any] = {}  # as the monitor last reported them
         self._marks = CalculatedMarks()  # which of them this client calculated or loaded
         self._pending_state: dict[str, Any] | None = None  # loaded before init
-        self._sections: dict[str, protocol.SectionFrames | None] = {}  # name -> frames
         self._device: DeviceTimer | None = None  # created by the first device section
         self.rank = int(os.environ.get("RANK", "0"))
         self.cycle = int(os.environ.get("FT_CYCLE", "0"))
+        self._sections = _SectionFrameCache(self.rank)  # name -> frames
         self._stop_fence: stop_fence.StopFence | None = None  # FT_STOP_FENCE_S
         # Heartbeats closer than this to the last one sent are folded into it (0: never).
         self.heartbeat_fold_s = protocol.HEARTBEAT_FOLD_S
@@ -117,39 +109,15 @@ class RankMonitorClient:
         if not endpoint:
             self._warn_disabled()
             return
-        import zmq  # deferred so that importing ft_agent stays cheap
-
-        self._noblock, self._zmq_error = zmq.NOBLOCK, zmq.ZMQError
-        self._ctx = zmq.Context.instance()
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, SEND_HWM)
-        sock.setsockopt(zmq.IMMEDIATE, 0)
-        sock.connect(endpoint)
-        self._sock = sock
-        hello = protocol.encode(
-            protocol.HELLO,
-            token=os.environ.get("FT_TOKEN", ""),
-            rank=self.rank,
-            # FT_LOCAL_RANK: the real one under --virtual-local-rank (LOCAL_RANK=0 there)
-            local_rank=int(os.environ.get("FT_LOCAL_RANK") or os.environ.get("LOCAL_RANK", "0")),
-            pid=os.getpid(),
-            host=socket.gethostname(),
-            cycle=self.cycle,
-        )
-        with self._lock:
-            sock.send(hello)
-            reply = self._wait_for({protocol.CONFIG}, None)
-        if reply is None:
+        self._link = MonitorLink.connect(endpoint, self.rank)
+        reply = self._link.hello(_hello_frame(self.rank, self.cycle))
+        refusal = _hello_refusal(reply, endpoint)
+        if refusal is not None:
             self._close()
-            raise RankMonitorClientError(
-                f"monitor at {endpoint} did not answer hello within {REQUEST_TIMEOUT_S:.0f} s"
-            )
-        if not reply["ok"]:
-            self._close()
-            raise RankMonitorClientError(f"monitor refused this rank: {reply.get('error')}")
+            raise RankMonitorClientError(refusal)
+        assert reply is not None
         self._absorb(reply)
-        self._register_stack_dump(reply)
+        self._stack_file = _register_stack_dump(reply, self.rank)
         self._enabled = True
         if self._pending_state is not None:
             self._set_timeouts(self._pending_state)
@@ -162,8 +130,7 @@ class RankMonitorClient:
         """Say goodbye and close the connection; the monitor stops judging this rank."""
         if not self._enabled:
             return
-        with self._lock:
-            self._send(protocol.encode(protocol.GOODBYE))
+        self._link.send(protocol.encode(protocol.GOODBYE))
         # Queued messages (a diagnosis just before an exit 16/17) are delivered first, for
         # at most this long when the monitor is gone.
         self._close(linger_ms=SHUTDOWN_LINGER_MS)
@@ -180,8 +147,7 @@ class RankMonitorClient:
                 return  # folded into the last one sent (protocol.HEARTBEAT_FOLD_S)
             self._hb_folds = True  # said in this heartbeat, before the first fold
         self._hb_sent_at = t
-        with self._lock:
-            self._send(protocol.heartbeat_frame(t, self._hb_folds))
+        self._link.send(protocol.heartbeat_frame(t, self._hb_folds))
 
     def start_section(self, name: str, device: bool = False) -> None:
         """Open a timed section (its own timeout applies while it is open). Never blocks.
@@ -191,13 +157,12 @@ class RankMonitorClient:
         """
         if not self._enabled:
             return
-        frames = self._section_frames(name)
+        frames = self._sections.get(name) or self._sections.frames(name)
         if frames is None:
             return
         if device:
             self._device_timer().open(frames.name)
-        with self._lock:
-            self._send(frames.open(time.monotonic()))
+        self._link.send(frames.open(time.monotonic()))
 
     def end_section(self, name: str, device: bool = False) -> None:
         """Close a timed section opened with start_section. Never blocks.
@@ -208,12 +173,11 @@ class RankMonitorClient:
         if not self._enabled:
             return
         t = time.monotonic()  # before the event bookkeeping: the section ends now
-        frames = self._section_frames(name)
+        frames = self._sections.get(name) or self._sections.frames(name)
         if frames is None:
             return
         device_s = self._device_timer().close(frames.name) if device else None
-        with self._lock:
-            self._send(frames.close(t, device_s))
+        self._link.send(frames.close(t, device_s))
 
     def end_all_sections(self) -> None:
         """Close every open section of this rank."""
@@ -223,19 +187,6 @@ class RankMonitorClient:
         """``with client.section("step"): ...`` opens and closes a timed section;
         ``device=True`` times it on the GPU too (see start_section)."""
         return _Section(self, name, device)
-
-    def _section_frames(self, name: str) -> protocol.SectionFrames | None:
-        """The pre-encoded frames of ``name`` (built on first use); None for a name the
-        monitor would reject (warned once)."""
-        frames = self._sections.get(name)
-        if frames is None and name not in self._sections:
-            try:
-                frames = protocol.section_frames(str(name))
-            except protocol.ProtocolError as exc:
-                log.warning("rank %d: section not sent: %s", self.rank, exc)
-            if len(self._sections) < MAX_SECTION_NAMES:
-                self._sections[name] = frames
-        return frames
 
     def _device_timer(self) -> DeviceTimer:
         if self._device is None:
@@ -268,7 +219,7 @@ class RankMonitorClient:
         if reply is None:
             return False
         if not reply["ok"]:
-            return self._not_ready(reply, skip_if_not_ready)
+            return _not_ready(reply, skip_if_not_ready)
         self._marks.heartbeat = True
         return True
 
@@ -287,14 +238,9 @@ class RankMonitorClient:
         if reply is None:
             return False
         if not reply["ok"]:
-            return self._not_ready(reply, skip_if_not_ready)
-        # The reply says which timeouts are in force, not which were observed: a selected
-        # section with a timeout now counts as calculated.
-        in_force = self.section_timeouts
-        names = set(in_force.section) if wanted is None else set(wanted)
-        self._marks.sections |= {n for n in names if in_force.section.get(n) is not None}
-        if calc_out_of_section and in_force.out_of_section is not None:
-            self._marks.out_of_section = True
+            return _not_ready(reply, skip_if_not_ready)
+        nvrx_types.mark_sections_calculated(self._marks, self.section_timeouts, wanted,
+                                            calc_out_of_section)
         return True
 
     def state_dict(self) -> dict[str, Any]:
@@ -318,12 +264,7 @@ class RankMonitorClient:
 
     def _set_timeouts(self, timeouts: dict[str, Any]) -> None:
         if timeouts:
-            self._request(protocol.SET_TIMEOUTS, timeouts=timeouts)
-
-    def _not_ready(self, reply: dict[str, Any], skip_if_not_ready: bool) -> bool:
-        if skip_if_not_ready:
-            return False
-        raise RankMonitorClientError(f"timeouts not calculated: {reply.get('error')}")
+            self._request_reply(protocol.SET_TIMEOUTS, timeouts=timeouts)
 
     # -- control and reports -----------------------------------------------------------
 
@@ -333,17 +274,7 @@ class RankMonitorClient:
         """Ask the launcher to go on, exclude this node or shut the job down: NVRx's
         ``WorkloadControlRequest(WorkloadAction.ExcludeThisNode, "why")``, a
         ``WorkloadAction``, or "continue" / "exclude_node" / "shutdown"."""
-        description = None
-        if isinstance(req, WorkloadControlRequest):
-            req, description = req.action, req.description
-        action = req.wire if isinstance(req, WorkloadAction) else req
-        if action not in protocol.CONTROL_ACTIONS:
-            raise ValueError(
-                f"workload control action {action!r}: expected a WorkloadControlRequest, a "
-                f"WorkloadAction or one of {protocol.CONTROL_ACTIONS}"
-            )
-        extra = {} if description is None else {"description": str(description)[:1000]}
-        self._fire(protocol.CONTROL, action=action, **extra)
+        self._fire(protocol.CONTROL, **_control_fields(req))
 
     def send_diagnosis(self, **fields: Any) -> None:
         """Forward a rerun state machine event (state, diagnostic, iteration, ...)."""
@@ -360,12 +291,8 @@ class RankMonitorClient:
     def _warn_disabled(self) -> None:
         if not self._warned:
             self._warned = True
-            warnings.warn(
-                "ft_agent: FT_ENDPOINT is not set (not started by ft_launcher); "
-                "fault-tolerance calls do nothing",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+            warnings.warn("ft_agent: FT_ENDPOINT is not set (not started by ft_launcher); "
+                          "fault-tolerance calls do nothing", RuntimeWarning, stacklevel=3)
 
     def _fire(self, kind: str, **fields: Any) -> None:
         if not self._enabled:
@@ -375,28 +302,13 @@ class RankMonitorClient:
         except protocol.ProtocolError as exc:  # e.g. a NaN: never the training's problem
             log.warning("rank %d: not sent (%s): %s", self.rank, kind, exc)
             return
-        with self._lock:
-            self._send(frame)
-
-    def _send(self, frame: bytes) -> None:
-        try:
-            self._sock.send(frame, self._noblock)
-        except self._zmq_error:
-            pass  # monitor gone or queue full: training must go on
-
-    def _request(self, kind: str, **fields: Any) -> bool:
-        reply = self._request_reply(kind, **fields)
-        return reply is not None and bool(reply["ok"])
+        self._link.send(frame)
 
     def _request_reply(self, kind: str, **fields: Any) -> dict[str, Any] | None:
         """Send a request and wait for its ack; None when not connected or no answer."""
         if not self._enabled:
             return None
-        with self._lock:
-            self._req += 1
-            req = self._req
-            self._send(protocol.encode(kind, req=req, **fields))
-            reply = self._wait_for({protocol.ACK}, req)
+        reply = self._link.request(kind, **fields)
         if reply is None:
             log.warning("rank %d: monitor did not answer %s request", self.rank, kind)
             return None
@@ -409,45 +321,7 @@ class RankMonitorClient:
         """Take the timeouts in force from a config reply or an ack; when the monitor says
         which of them are calculated (``calculated``: kinds such as "heartbeat",
         "section:step"), that is what ``hb_timeouts``/``section_timeouts`` report."""
-        if isinstance(reply.get("timeouts"), dict):
-            self.timeouts = dict(reply["timeouts"])
-        kinds = reply.get("calculated")
-        if isinstance(kinds, list) and all(isinstance(k, str) for k in kinds):
-            self._marks = nvrx_types.marks_from_kinds(kinds)
-
-    def _wait_for(self, kinds: set[str], req: int | None) -> dict[str, Any] | None:
-        import zmq
-
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        remaining_ms = REQUEST_TIMEOUT_S * 1000
-        while remaining_ms > 0:
-            if not poller.poll(min(remaining_ms, 100)):
-                remaining_ms -= 100
-                continue
-            try:
-                msg = protocol.decode(self._sock.recv(zmq.NOBLOCK))
-            except (zmq.ZMQError, protocol.ProtocolError) as exc:
-                log.warning("rank %d: bad reply from monitor: %s", self.rank, exc)
-                continue
-            if msg["k"] in kinds and (req is None or msg.get("req") == req):
-                return msg
-        return None
-
-    def _register_stack_dump(self, reply: dict[str, Any]) -> None:
-        # faulthandler writes from C, so it works while the rank is stuck inside a
-        # collective or a C extension, where a Python signal handler would never run.
-        # The file is the one the launcher named in this process's environment, never a
-        # path from the socket, and a symlink there is refused (O_NOFOLLOW).
-        path, signum = os.environ.get("FT_STACK_FILE"), reply.get("stack_signal")
-        if not path or not isinstance(signum, int) or isinstance(signum, bool):
-            return
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-            self._stack_file = os.fdopen(fd, "w")  # held for the process's life
-            faulthandler.register(signum, file=self._stack_file, all_threads=True)
-        except (OSError, ValueError, RuntimeError) as exc:
-            log.warning("rank %d: cannot arm stack dumps: %s", self.rank, exc)
+        self.timeouts, self._marks = nvrx_types.absorb_reply(reply, self.timeouts, self._marks)
 
     def _arm_stop_fence(self) -> None:
         # After a long stop of its node, this rank asks whether its round is still current
@@ -458,34 +332,101 @@ class RankMonitorClient:
             self._stop_fence = fence if fence.install() else None
 
     def _ask_fence(self, stopped_s: float) -> tuple[bool | None, str]:
-        """The launcher's word after a stop: (True, "") current, (False, why) stale,
-        (None, why) no answer. Runs in the SIGCONT handler, on the main thread."""
+        """The launcher's word after a stop (``link.ask_fence``)."""
         if not self._enabled:
             return True, "not monitored any more"
-        # The handler may have interrupted this very thread inside a request (holding the
-        # lock): then there is no safe way to ask, and the rank exits as if stale (at worst
-        # one restart of every node, never a stale write).
-        if not self._lock.acquire(timeout=2.0):
-            return None, "the agent's socket stayed busy"
-        try:
-            self._req += 1
-            req = self._req
-            self._send(protocol.encode(protocol.FENCE, req=req, stopped_s=round(stopped_s, 3)))
-            reply = self._wait_for({protocol.ACK}, req)
-        finally:
-            self._lock.release()
-        if reply is None:
-            return None, f"the launcher did not answer within {REQUEST_TIMEOUT_S:.0f} s"
-        return bool(reply["ok"]), reply.get("error") or ""
+        return ask_fence(self._link, stopped_s)
 
     def _close(self, linger_ms: int = 0) -> None:
         self._enabled = False
         if self._stop_fence is not None:
             self._stop_fence.close()
             self._stop_fence = None
-        if self._sock is not None:
-            self._sock.close(linger=linger_ms)
-            self._sock = None
+        if self._link is not None:
+            self._link.close(linger_ms)
+            self._link = None
+
+
+def _not_ready(reply: dict[str, Any], skip_if_not_ready: bool) -> bool:
+    """A calculation the monitor could not do yet: False, or (as in NVRx) raise."""
+    if skip_if_not_ready:
+        return False
+    raise RankMonitorClientError(f"timeouts not calculated: {reply.get('error')}")
+
+
+def _hello_frame(rank: int, cycle: int) -> bytes:
+    return protocol.encode(protocol.HELLO, token=os.environ.get("FT_TOKEN", ""), rank=rank,
+                           # FT_LOCAL_RANK: the real one under --virtual-local-rank (LOCAL_RANK=0)
+                           local_rank=int(os.environ.get("FT_LOCAL_RANK")
+                                          or os.environ.get("LOCAL_RANK", "0")),
+                           pid=os.getpid(), host=socket.gethostname(), cycle=cycle)
+
+
+def _hello_refusal(reply: dict[str, Any] | None, endpoint: str) -> str | None:
+    """Why the hello failed (no answer, refused), or None: connected."""
+    if reply is None:
+        return f"monitor at {endpoint} did not answer hello within {REQUEST_TIMEOUT_S:.0f} s"
+    if not reply["ok"]:
+        return f"monitor refused this rank: {reply.get('error')}"
+    return None
+
+
+class _SectionFrameCache(dict):
+    """Section name -> its pre-encoded frames (built on first use); None for a name the
+    monitor would reject (warned once). A dict, so the hot path's lookup is one ``get``."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.rank = rank
+
+    def frames(self, name: str) -> protocol.SectionFrames | None:
+        if name in self:
+            return self[name]
+        frames = None
+        try:
+            frames = protocol.section_frames(str(name))
+        except protocol.ProtocolError as exc:
+            log.warning("rank %d: section not sent: %s", self.rank, exc)
+        if len(self) < MAX_SECTION_NAMES:
+            self[name] = frames
+        return frames
+
+
+def _register_stack_dump(reply: dict[str, Any], rank: int) -> IO[str] | None:
+    """Arm faulthandler on the signal the monitor names; the file it writes to (held for
+    the process's life), or None.
+
+    faulthandler writes from C, so it works while the rank is stuck inside a collective or
+    a C extension, where a Python signal handler would never run. The file is the one the
+    launcher named in this process's environment, never a path from the socket, and a
+    symlink there is refused (O_NOFOLLOW)."""
+    path, signum = os.environ.get("FT_STACK_FILE"), reply.get("stack_signal")
+    if not path or not isinstance(signum, int) or isinstance(signum, bool):
+        return None
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        stack_file = os.fdopen(fd, "w")
+        faulthandler.register(signum, file=stack_file, all_threads=True)
+    except (OSError, ValueError, RuntimeError) as exc:
+        log.warning("rank %d: cannot arm stack dumps: %s", rank, exc)
+        return None
+    return stack_file
+
+
+def _control_fields(req: WorkloadControlRequest | WorkloadAction | str) -> dict[str, Any]:
+    """The ``control`` message's fields for a workload control request; ValueError when
+    it names no known action."""
+    description = None
+    if isinstance(req, WorkloadControlRequest):
+        req, description = req.action, req.description
+    action = req.wire if isinstance(req, WorkloadAction) else req
+    if action not in protocol.CONTROL_ACTIONS:
+        raise ValueError(
+            f"workload control action {action!r}: expected a WorkloadControlRequest, a "
+            f"WorkloadAction or one of {protocol.CONTROL_ACTIONS}"
+        )
+    return {"action": action,
+            **({} if description is None else {"description": str(description)[:1000]})}
 
 
 def _arm_simulated_exit(spec: str, report: Any) -> None:

@@ -143,6 +143,29 @@ def marks_from_kinds(kinds: list[str]) -> CalculatedMarks:
                            out_of_section="out_of_section" in kinds)
 
 
+def mark_sections_calculated(marks: CalculatedMarks, in_force: SectionTimeouts,
+                             wanted: list[str] | None, out_of_section: bool) -> None:
+    """After a section calculation the monitor accepted: the reply says which timeouts are
+    in force, not which were observed, so a selected section (every one, for ``wanted``
+    None) with a timeout now counts as calculated; the out-of-section one too when asked."""
+    names = set(in_force.section) if wanted is None else set(wanted)
+    marks.sections |= {n for n in names if in_force.section.get(n) is not None}
+    if out_of_section and in_force.out_of_section is not None:
+        marks.out_of_section = True
+
+
+def absorb_reply(reply: Mapping[str, Any], timeouts: dict[str, Any],
+                 marks: CalculatedMarks) -> tuple[dict[str, Any], CalculatedMarks]:
+    """The timeouts and marks after a config reply or an ack: its ``timeouts`` when it has
+    them, and its ``calculated`` kinds when it says (else the ones given)."""
+    if isinstance(reply.get("timeouts"), dict):
+        timeouts = dict(reply["timeouts"])
+    kinds = reply.get("calculated")
+    if isinstance(kinds, list) and all(isinstance(k, str) for k in kinds):
+        marks = marks_from_kinds(kinds)
+    return timeouts, marks
+
+
 def heartbeat_timeouts(timeouts: Mapping[str, Any], marks: CalculatedMarks) -> HeartbeatTimeouts:
     """The heartbeat view of the monitor's timeouts dict."""
     return HeartbeatTimeouts(_seconds_or_none(timeouts.get(INITIAL_KEY)),

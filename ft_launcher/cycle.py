@@ -30,7 +30,7 @@ from ft_launcher.monitor import RankSlot, monotonic_of, wall_of
 from ft_launcher.policy import CycleResult, JobState, Outcome, WorkerExit
 from ft_launcher.rendezvous import RendezvousLost, RoundInfo
 from ft_launcher.rundir import RunDir
-from ft_launcher.signals import PASS_THROUGH_SIGNALS, TERMINATING_SIGNAL_NAMES, SignalBox
+from ft_launcher.signals import SignalBox
 from ft_launcher.straggler import DETECTED, StragglerDetector
 from ft_launcher.watch import (
     MESSAGE_BATCH_S,
@@ -113,7 +113,7 @@ def plan_workers(d: CycleDeps, cycle: int, rnd: RoundInfo,
         group_world_size=rnd.group_world_size, role=cfg.role, master_addr=rnd.master_addr,
         master_port=rnd.master_port, restarts=d.job.restarts, max_restarts=cfg.max_restarts,
         run_id=cfg.run_id, endpoint=d.monitor.endpoint, run_dir=str(d.rundir.path),
-        cycle=cycle, device_map=d.job.device_map(),
+        cycle=cycle, device_map=d.job.device_map(), virtual_local_rank=cfg.virtual_local_rank,
         gpus=visible_gpus(os.environ, d.gpus) if d.gpus else (),
     )
     plans = []
@@ -445,7 +445,7 @@ class Cycle:
         signals, group = self.d.signals, self.group
         received: set[int] = set()  # offered to the ranks just now: no second look below
         for signum in signals.take():
-            if signum not in PASS_THROUGH_SIGNALS:
+            if signum not in signals.passed_on:
                 self.d.events("signal_received", signal=signal.Signals(signum).name)
                 return CycleResult(self.number, Outcome.SIGNALED, signum=signum)
             received.add(signum)
@@ -487,7 +487,7 @@ class Cycle:
         failures = [info for w, info in exits if w.exit_code != 0]
         if not failures:
             return None if group.alive() else CycleResult(self.number, Outcome.SUCCEEDED)
-        if any(f.signal in TERMINATING_SIGNAL_NAMES for f in failures):
+        if any(f.signal in self.d.signals.stop_names for f in failures):
             # A scheduler (scancel, time limit) signals every process of the job at once:
             # the workers' deaths may be seen before the launcher's own signal arrives.
             self.d.clock.sleep(SIGNAL_SETTLE_S)

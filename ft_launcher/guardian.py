@@ -15,11 +15,13 @@ that leads a live group is never reused) or is the same process (same start time
 are out of reach, as with torchrun.
 
 The guardian runs in its own session and ignores the terminal's and the scheduler's
-signals, so it outlives the launcher for the moment it needs; it exits right after.
+signals, so it outlives a launcher that died for the moment it needs; it exits right after.
+A launcher that exits (not killed) closes the pipe itself and reaps the guardian.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import signal
@@ -28,6 +30,8 @@ import sys
 import threading
 
 log = logging.getLogger("ft_launcher")
+
+STOP_TIMEOUT_S = 5.0  # at the launcher's exit: how long to wait for the guardian to exit
 
 
 def start_time(pid: int) -> str | None:
@@ -80,6 +84,8 @@ class Guardian:
                 )
             except OSError as exc:
                 self._fail(f"cannot start: {exc}")
+            else:
+                atexit.register(self.stop, os.getpid())
         return self._proc
 
     def _send(self, line: str, tag: str = "") -> None:
@@ -118,6 +124,23 @@ class Guardian:
                     self._proc.stdin.close()
                 except OSError:
                     pass
+
+    def stop(self, owner: int | None = None, timeout: float = STOP_TIMEOUT_S) -> None:
+        """Close the pipe and reap the guardian once it exited, so that the launcher leaves
+        no process behind (without it, the guardian outlives the launcher for a moment and
+        is then a zombie wherever PID 1 does not reap). Runs at the launcher's exit
+        (``atexit``); ``owner``: only in that process, not in a forked copy of it."""
+        if owner is not None and owner != os.getpid():
+            return
+        self.close()
+        proc = self._proc
+        if proc is None:
+            return
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            log.warning("process-group guardian (pid %d) still runs %.0f s after the "
+                        "launcher closed its pipe", proc.pid, timeout)
 
 
 def main() -> None:

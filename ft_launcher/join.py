@@ -20,7 +20,7 @@ from ft_launcher.rendezvous import (
     StaticRendezvous,
 )
 from ft_launcher.signals import SignalBox
-from ft_launcher.standby import await_first_cycle
+from ft_launcher.standby_pool import await_first_cycle
 
 log = logging.getLogger("ft_launcher")
 
@@ -36,7 +36,7 @@ def make_rendezvous(cfg: LaunchConfig,
         # events: spare_waiting / spare_admitted, emitted while next_round() waits.
         return C10dRendezvous(cfg.rdzv_endpoint, cfg.rdzv_id, cfg.min_nodes, cfg.max_nodes,
                               cfg.rdzv_conf, cfg.master_port, backend=cfg.rdzv_backend,
-                              events=events)
+                              events=events, local_addr=cfg.local_addr)
     return StaticRendezvous(cfg.node_rank, cfg.max_nodes, cfg.master_addr, cfg.master_port)
 
 

@@ -32,8 +32,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-PHASES = ("rendezvous", "spawn", "productive", "work_lost", "detection", "teardown", "other")
-START_UP = "start-up and shutdown"
+from ft_launcher.ledger_summary import PHASES, START_UP, Knowledge, summarize_run
+
+__all__ = ["PHASES", "START_UP", "Ledger", "attempt_number", "ledger_of", "split_attempts",
+           "well_formed"]
 
 
 def _num(value: Any) -> float | None:
@@ -55,19 +57,15 @@ def _when(rec: dict[str, Any], ts: float) -> float:
     return at if at is not None and ts - 60.0 <= at <= ts else ts
 
 
-def _r(value: float | None, digits: int = 3) -> float | None:
-    return None if value is None else round(value, digits)
-
-
 @dataclass
 class _Cycle:
     """Raw marks of one cycle, as the records arrive."""
 
     n: int
     start: float
+    ranks: list[int] = field(default_factory=list)  # the ranks workers_started names
     rendezvous_done: float | None = None
     workers_started: float | None = None
-    ranks: list[int] = field(default_factory=list)
     first_step: dict[int, tuple[float, int]] = field(default_factory=dict)  # rank -> ts, it
     connected: dict[int, float] = field(default_factory=dict)
     training_started: float | None = None
@@ -313,191 +311,10 @@ class Ledger:
     # -- output ----------------------------------------------------------------------
 
     def summary(self, now: float | None = None) -> dict[str, Any]:
-        """The ledger so far, JSON-ready. ``now`` ends a running cycle (default: the last
-        event's time)."""
-        attempts = [self._attempt_summary(a, now) for a in self.attempts]
-        lost: dict[str, float] = {}
-        by_cause: dict[str, float] = {}
-        for a in attempts:
-            for k, v in a["lost_s"].items():
-                lost[k] = lost.get(k, 0.0) + v
-            for k, v in a["lost_by_cause_s"].items():
-                by_cause[k] = by_cause.get(k, 0.0) + v
-        wall = sum(a["wall_s"] for a in attempts)
-        productive = sum(a["productive_s"] for a in attempts)
-        last = attempts[-1] if attempts else None
-        return {
-            "attempts": attempts,
-            "wall_s": round(wall, 3),
-            "productive_s": round(productive, 3),
-            "lost_s": {k: round(v, 3) for k, v in lost.items()},
-            "lost_by_cause_s": {k: round(v, 3) for k, v in by_cause.items()},
-            "goodput": round(productive / wall, 4) if wall > 0 else None,
-            "attempt": last["attempt"] if last else None,
-            "start_ts": self.attempts[0].start if self.attempts else None,
-            "cycle": last["cycle"] if last else None,
-            "restarts": sum(a["restarts"] for a in attempts),
-            "last_step": last["last_step"] if last else None,
-            "running": bool(last and last["end_ts"] is None),
-            "progress_reported": self.uses_progress,
-        }
-
-    def _attempt_summary(self, att: _Attempt, now: float | None) -> dict[str, Any]:
-        end = att.end if att.end is not None else max(now or att.last_ts, att.last_ts)
-        order = sorted(att.cycles)
-        rows = []
-        for i, n in enumerate(order):
-            nxt = att.cycles[order[i + 1]] if i + 1 < len(order) else None
-            rows.append(self._cycle_summary(att.cycles[n], nxt, end, first=(i == 0)))
-        lost = {"start-up": 0.0, **{p: 0.0 for p in PHASES if p != "productive"}}
-        by_cause: dict[str, float] = {}
-        productive = 0.0
-        for i, row in enumerate(rows):
-            productive += row["phases_s"]["productive"]
-            for phase, secs in row["phases_s"].items():
-                if phase == "productive":
-                    continue
-                key = "start-up" if row["startup"] and phase in ("rendezvous", "spawn") \
-                    else phase
-                lost[key] += secs
-                cause = row["charged_to"] if key != "start-up" else START_UP
-                if phase in ("rendezvous", "spawn") and not row["startup"] and i > 0:
-                    cause = rows[i - 1]["cause"] or START_UP
-                if secs:
-                    by_cause[cause] = by_cause.get(cause, 0.0) + secs
-        wall = end - att.start
-        covered = productive + sum(lost.values())
-        lost["other"] += max(0.0, wall - covered)  # before the first cycle, after the last
-        if wall - covered > 0:
-            by_cause[START_UP] = by_cause.get(START_UP, 0.0) + (wall - covered)
-        steps = [r["last_step"] for r in rows if r["last_step"] is not None]
-        return {
-            "attempt": att.n,
-            "start_ts": att.start,
-            "end_ts": att.end,
-            "wall_s": round(wall, 3),
-            "productive_s": round(productive, 3),
-            "lost_s": {k: round(v, 3) for k, v in lost.items()},
-            "lost_by_cause_s": {k: round(v, 3) for k, v in by_cause.items()},
-            "goodput": round(productive / wall, 4) if wall > 0 else None,
-            "cycle": att.current,
-            "restarts": att.restarts,
-            "last_step": rows[-1]["last_step"] if rows and rows[-1]["last_step"] is not None
-            else (steps[-1] if steps else None),
-            "exit_code": att.exit_code,
-            "reason": att.reason,
-            "cycles": rows,
-        }
-
-    def _cycle_summary(self, c: _Cycle, nxt: _Cycle | None, attempt_end: float,
-                       first: bool) -> dict[str, Any]:
-        end = c.end if c.end is not None else (nxt.start if nxt else attempt_end)
-        end = max(end, c.start)
-        detected = c.detection()
-        failed = detected is not None
-        fault_ts, fault_rank, fault_source = c.fault_mark(detected) if failed \
-            else (None, None, None)
-        if not failed and c.fault is not None:  # injected, never seen to fail (yet)
-            fault_ts, fault_rank, fault_source = c.fault["at"], c.fault.get("rank"), "injected"
-        train_ts, train_source = c.training_start()
-
-        # Consecutive boundaries, each clipped to [previous boundary, end of cycle].
-        def clip(t: float | None, lo: float) -> float:
-            return lo if t is None else min(max(t, lo), end)
-
-        t_rdzv = clip(c.rendezvous_done, c.start)
-        stop_training = fault_ts if failed else self._training_end(c)
-        if train_ts is None:  # never trained: the whole run-up is spawn time
-            t_train = clip(stop_training if stop_training is not None else end, t_rdzv)
-        else:
-            t_train = clip(min(train_ts, stop_training) if stop_training is not None
-                           else train_ts, t_rdzv)
-        t_stop = clip(stop_training if stop_training is not None else end, t_train)
-        ckpt = self._last_checkpoint(c, t_stop)
-        work_lost = 0.0
-        # Without any step or checkpoint reported, what was kept is unknown: the training
-        # counts as productive (the summary says so with progress_reported false).
-        if failed and train_ts is not None and self.uses_progress:
-            since = max(ckpt[0], t_train) if ckpt else t_train
-            work_lost = max(0.0, t_stop - since)
-        t_detect = clip(detected, t_stop) if failed else t_stop
-        t_teardown = clip(c.last_exit, t_detect) if failed else t_detect
-        phases = {
-            "rendezvous": t_rdzv - c.start,
-            "spawn": t_train - t_rdzv,
-            "productive": t_stop - t_train - work_lost,
-            "work_lost": work_lost,
-            "detection": t_detect - t_stop,
-            "teardown": t_teardown - t_detect,
-            "other": end - t_teardown,
-        }
-        first_it, last_it = c.steps()
-        ckpt_it = ckpt[1] if ckpt else None
-        steps_lost = None
-        if failed and last_it is not None:
-            base = ckpt_it if ckpt_it is not None else (first_it - 1 if first_it else None)
-            steps_lost = max(0, last_it - base) if base is not None else None
-        elif failed and self.uses_progress:
-            steps_lost = 0  # no step was made in this cycle
-        resumed = min((it for _, it in nxt.first_step.values()), default=None) if nxt else None
-        next_train = nxt.training_start()[0] if nxt else None
-        no_progress = None
-        if failed and train_ts is None and (self.uses_progress or self.sees_training):
-            no_progress = True  # the fault came before every rank was training
-        elif failed and self.uses_progress:
-            no_progress = not c.first_step or ckpt is None
-        elif c.end is not None and self.uses_progress:
-            no_progress = not c.first_step and last_it is None
-        cause = c.cause() if failed else None
-        row = {
-            "cycle": c.n,
-            "start_ts": c.start,
-            "end_ts": c.end,
-            "startup": first,
-            "outcome": (c.decision or {}).get("outcome") or ("running" if c.end is None
-                                                             else None),
-            "cause": cause,
-            "charged_to": cause or START_UP,
-            "fault_ts": fault_ts,
-            "fault_rank": fault_rank,
-            "fault_source": fault_source,
-            "detected_ts": detected,
-            "detection_s": _r(t_detect - t_stop) if failed else None,
-            "teardown_s": _r(t_teardown - t_detect) if failed else None,
-            "rendezvous_s": _r(phases["rendezvous"]),
-            "spawn_to_first_step_s": _r(train_ts - c.workers_started)
-            if train_ts is not None and c.workers_started is not None else None,
-            "training_start_source": train_source,
-            "productive_s": _r(phases["productive"]),
-            "first_step": first_it,
-            "last_step": last_it,
-            "checkpoint_step": ckpt_it,
-            "checkpoint_ts": ckpt[0] if ckpt else None,
-            "work_lost_s": _r(work_lost) if failed and self.uses_progress else None,
-            "work_lost_steps": steps_lost,
-            "next_cycle_first_step": resumed,
-            "recovery_s": _r(next_train - fault_ts)
-            if failed and next_train is not None and fault_ts is not None else None,
-            "no_progress": no_progress,
-            "phases_s": {k: round(max(0.0, v), 6) for k, v in phases.items()},
-            "marks": {"rendezvous_done": c.rendezvous_done, "workers_started": c.workers_started,
-                      "training": train_ts, "stop": t_stop, "detected": t_detect,
-                      "torn_down": t_teardown, "end": end},
-        }
-        return row
-
-    @staticmethod
-    def _training_end(c: _Cycle) -> float | None:
-        """When the training's last step was reported, for a cycle that did not fail."""
-        if c.last_progress:
-            return max(at for at, _ in c.last_progress.values())
-        marks = [m for m in (c.goodbye, c.clean_exit) if m is not None]
-        return min(marks) if marks else None
-
-    @staticmethod
-    def _last_checkpoint(c: _Cycle, before: float) -> tuple[float, int] | None:
-        saved = [(ts, it) for ts, it in c.checkpoints if ts <= before]
-        return max(saved) if saved else None
+        """The ledger so far, JSON-ready (``ledger_summary``). ``now`` ends a running cycle
+        (default: the last event's time)."""
+        return summarize_run(self.attempts, now, Knowledge(self.uses_progress,
+                                                            self.sees_training))
 
 
 def well_formed(record: Any) -> bool:

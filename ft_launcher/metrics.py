@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from ft_launcher.extras import import_extra
 from ft_launcher.ledger import Ledger, well_formed
 
 log = logging.getLogger("ft_launcher")
@@ -24,22 +25,14 @@ log = logging.getLogger("ft_launcher")
 MAX_LABEL_VALUES = 32  # per label: bounded however many kinds the events name
 
 
-class MissingExtra(RuntimeError):
-    """prometheus_client is not installed."""
-
-
 class MetricsError(RuntimeError):
     """The metrics port cannot be served."""
 
 
 def _prometheus() -> Any:
-    try:
-        import prometheus_client
-        from prometheus_client.core import GaugeMetricFamily
-    except ImportError:
-        raise MissingExtra("--ft-metrics-port needs prometheus_client: "
-                           "pip install 'ft-launcher[metrics]'") from None
-    return prometheus_client, GaugeMetricFamily
+    prometheus_client, core = import_extra(("prometheus_client", "prometheus_client.core"),
+                                           "--ft-metrics-port", "prometheus_client", "metrics")
+    return prometheus_client, core.GaugeMetricFamily
 
 
 class MetricsExporter:

@@ -6,7 +6,8 @@ never sees its pipe close while it lives:
 
 - lines are read at most ``LINE_LIMIT`` bytes at a time, so a process printing only ``\\r``
   or one endless line costs the launcher a bounded buffer, never its memory;
-- the log file gets the bytes as they came; when it cannot be written (a full disk), the
+- the log file gets the bytes as they came; when it cannot be written (a full disk, or
+  only the run's record reserve is left on the run directory's disk: ``reserve.py``), the
   bytes are dropped and counted (``Sink.dropped_bytes``), reported once (a log line and the
   ``on_drop`` callback), and writing is tried again every ``RETRY_S``;
 - the console gets each line with its prefix, control characters escaped (``\\x1b`` as
@@ -28,6 +29,8 @@ import threading
 import time
 from collections.abc import Callable
 from typing import IO
+
+from ft_launcher.reserve import RECORD, NoRoom
 
 log = logging.getLogger("ft_launcher")
 
@@ -92,6 +95,7 @@ class Sink:
         self._reported = False
         self._partial = b""  # the console line being assembled (< LINE_LIMIT bytes)
         self._cut: int | None = None  # bytes of an over-long line held back from the console
+        self._on_record_fs: bool | None = None  # the log shares the run directory's disk
 
     # -- log file ----------------------------------------------------------------------
 
@@ -100,6 +104,11 @@ class Sink:
             return
         if self._retry_at and time.monotonic() < self._retry_at:
             self.dropped_bytes += len(data)
+            return
+        if self._keeps_reserve() and not RECORD.log_allows(len(data)):
+            self.dropped_bytes += len(data)
+            self._retry_at = time.monotonic() + RETRY_S
+            self._report(NoRoom())
             return
         view = memoryview(data)
         try:
@@ -113,6 +122,15 @@ class Sink:
             self.dropped_bytes += len(view)
             self._retry_at = time.monotonic() + RETRY_S
             self._report(exc)
+
+    def _keeps_reserve(self) -> bool:
+        """Whether the log file is on the run directory's file system (``reserve.py``)."""
+        if self._on_record_fs is None:
+            try:
+                self._on_record_fs = RECORD.covers(self.log_file.fileno())  # type: ignore[union-attr]
+            except (OSError, ValueError):
+                self._on_record_fs = False
+        return self._on_record_fs
 
     def _report(self, exc: BaseException) -> None:
         if self._reported:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import enum
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,12 +93,12 @@ class JobState:
     num_devices: int
     nproc: int
     host: str
-    skip_bad_iterations: bool = False
     max_no_progress_cycles: int | None = None
+    skip_bad_iterations: bool = False
+    excluded_devices: set[int] = field(default_factory=set)
     restarts: int = 0
     rotation: int = 0
     rotations_left: int = 0
-    excluded_devices: set[int] = field(default_factory=set)
     last_iteration: int | None = None
     cycles_without_progress: int = 0
 
@@ -236,72 +237,106 @@ def decide(result: CycleResult, state: JobState) -> Decision:
 
 
 def _decide(result: CycleResult, state: JobState) -> Decision:
-    outcome = result.outcome
-    if outcome is Outcome.SUCCEEDED:
-        return stop(EXIT_SUCCESS, "all workers finished with 0", requeue=False)
-    if outcome is Outcome.SIGNALED:
-        name = signal.Signals(result.signum).name if result.signum else "a signal"
-        return stop(128 + (result.signum or 0), f"launcher received {name}",
-                     requeue=result.signum == signal.SIGTERM)
-    if outcome is Outcome.CONTROL:
-        if result.control == "exclude_node":
-            return stop(EXIT_FAILURE, "a rank asked to exclude this node", requeue=True,
-                         exclude=[state.host])
-        return stop(EXIT_FAILURE, "a rank asked to shut the workload down", requeue=False)
-    if outcome is Outcome.PEER_CHANGED:
-        return Decision(restart=True, reason="other nodes re-joined the rendezvous",
-                        counted=False)
-    if outcome is Outcome.UNHEALTHY:
-        return stop(EXIT_FAILURE, result.reason or "health check failed", requeue=True,
-                    exclude=[state.host])
-    if outcome is Outcome.RENDEZVOUS_LOST:  # not this node's fault: no exclusion
-        return stop(EXIT_FAILURE, result.reason or "rendezvous lost", requeue=True)
-    if outcome is Outcome.RENDEZVOUS_CLOSED:
-        if result.was_spare:
-            return stop(EXIT_SUCCESS, "spare not needed: the job ended without it",
-                        requeue=False)
-        return stop(EXIT_FAILURE, result.reason or "the other nodes closed the rendezvous",
-                    requeue=False)
-    if outcome is Outcome.STRAGGLER:
-        s = result.straggler or {}
-        what = (f"straggler rank {s.get('rank')} on {s.get('host') or state.host} "
-                f"({s.get('section')} {s.get('score', 0):.2f}x the other ranks)")
-        if result.action == "exclude":
-            return stop(EXIT_FAILURE, what, requeue=True, exclude=[s.get("host") or state.host])
-        return _restart_or_exhausted(state, what)
-
+    judge = _BY_OUTCOME.get(result.outcome)
+    if judge is not None:
+        return judge(result, state)
     stuck = _no_progress(_progress(result, state), state)
     if stuck is not None:
         return stuck
-    if outcome is Outcome.HUNG:
-        hang = result.hang
-        return _restart_or_exhausted(
-            state, f"rank {hang.rank if hang else None} hung "
-            f"({hang.timeout_kind if hang else 'unknown'} timeout)"
-        )
+    if result.outcome is Outcome.HUNG:
+        return _decide_hung(result, state)
+    return _decide_failed(result, state)
+
+
+def _decide_signaled(result: CycleResult, state: JobState) -> Decision:
+    name = signal.Signals(result.signum).name if result.signum else "a signal"
+    return stop(128 + (result.signum or 0), f"launcher received {name}",
+                requeue=result.signum == signal.SIGTERM)
+
+
+def _decide_control(result: CycleResult, state: JobState) -> Decision:
+    if result.control == "exclude_node":
+        return stop(EXIT_FAILURE, "a rank asked to exclude this node", requeue=True,
+                    exclude=[state.host])
+    return stop(EXIT_FAILURE, "a rank asked to shut the workload down", requeue=False)
+
+
+def _decide_rendezvous_closed(result: CycleResult, state: JobState) -> Decision:
+    if result.was_spare:
+        return stop(EXIT_SUCCESS, "spare not needed: the job ended without it",
+                    requeue=False)
+    return stop(EXIT_FAILURE, result.reason or "the other nodes closed the rendezvous",
+                requeue=False)
+
+
+def _decide_straggler(result: CycleResult, state: JobState) -> Decision:
+    s = result.straggler or {}
+    what = (f"straggler rank {s.get('rank')} on {s.get('host') or state.host} "
+            f"({s.get('section')} {s.get('score', 0):.2f}x the other ranks)")
+    if result.action == "exclude":
+        return stop(EXIT_FAILURE, what, requeue=True, exclude=[s.get("host") or state.host])
+    return _restart_or_exhausted(state, what)
+
+
+# Outcomes judged without looking at progress or the ranks' exit codes.
+_BY_OUTCOME: dict[Outcome, Callable[[CycleResult, JobState], Decision]] = {
+    Outcome.SUCCEEDED: lambda result, state: stop(
+        EXIT_SUCCESS, "all workers finished with 0", requeue=False),
+    Outcome.SIGNALED: _decide_signaled,
+    Outcome.CONTROL: _decide_control,
+    Outcome.PEER_CHANGED: lambda result, state: Decision(
+        restart=True, reason="other nodes re-joined the rendezvous", counted=False),
+    Outcome.UNHEALTHY: lambda result, state: stop(
+        EXIT_FAILURE, result.reason or "health check failed", requeue=True,
+        exclude=[state.host]),
+    # Not this node's fault: no exclusion.
+    Outcome.RENDEZVOUS_LOST: lambda result, state: stop(
+        EXIT_FAILURE, result.reason or "rendezvous lost", requeue=True),
+    Outcome.RENDEZVOUS_CLOSED: _decide_rendezvous_closed,
+    Outcome.STRAGGLER: _decide_straggler,
+}
+
+
+def _decide_hung(result: CycleResult, state: JobState) -> Decision:
+    hang = result.hang
+    return _restart_or_exhausted(
+        state, f"rank {hang.rank if hang else None} hung "
+        f"({hang.timeout_kind if hang else 'unknown'} timeout)"
+    )
+
+
+def _decide_failed(result: CycleResult, state: JobState) -> Decision:
     # A rank that announced its exit 16/17 in a diagnosis but died otherwise (an abort on
     # the way out) is judged by what it announced.
     codes = [f.exit_code for f in result.failures] + [
         d.get("exit_code") for d in result.diagnoses
         if d.get("exit_code") in (EXIT_RESUME_ELSEWHERE, EXIT_FAILED_VALIDATION)]
     if EXIT_RESUME_ELSEWHERE in codes:
-        if state.rotations_left > 0:
-            return Decision(
-                restart=True,
-                reason="exit 16: re-run the step from the checkpoint on rotated devices",
-                rotate=True,
-            )
-        return stop(
-            EXIT_RESUME_ELSEWHERE,
-            "exit 16: the step must be re-run on other hardware and no other device is "
-            f"left on {state.host}",
-            requeue=True,
-            exclude=[state.host],
-        )
+        return _decide_16(state)
     if EXIT_FAILED_VALIDATION in codes:
         return _decide_17(result, state)
     if not result.failures:
         return _restart_or_exhausted(state, "a rank failed")
+    return _restart_or_exhausted(state, _failure_reason(result))
+
+
+def _decide_16(state: JobState) -> Decision:
+    if state.rotations_left > 0:
+        return Decision(
+            restart=True,
+            reason="exit 16: re-run the step from the checkpoint on rotated devices",
+            rotate=True,
+        )
+    return stop(
+        EXIT_RESUME_ELSEWHERE,
+        "exit 16: the step must be re-run on other hardware and no other device is "
+        f"left on {state.host}",
+        requeue=True,
+        exclude=[state.host],
+    )
+
+
+def _failure_reason(result: CycleResult) -> str:
     first = result.failures[0]
     how = f"exit code {first.exit_code}" if first.exit_code is not None \
         else f"signal {first.signal}"
@@ -311,7 +346,7 @@ def _decide(result: CycleResult, state: JobState) -> Decision:
     if later:
         reason += f"; then rank{'s' if len(later) > 1 else ''} " \
                   f"{', '.join(map(str, later))} failed in consequence"
-    return _restart_or_exhausted(state, reason)
+    return reason
 
 
 def apply(decision: Decision, state: JobState) -> None:

@@ -441,6 +441,14 @@ def out_of_round(state: Any, node: Any, round_no: int | None, dead_after: float,
     return None
 
 
+def _closed(endpoint: str, spare: bool, dropped: bool) -> RendezvousClosed:
+    """The job's rendezvous was closed by the other nodes; a dropped node ends as a spare."""
+    why = ("; this node was dropped from its round and not needed again" if dropped
+           else "; this spare was not needed" if spare else "")
+    return RendezvousClosed(f"the rendezvous at {endpoint} was closed by the other nodes "
+                            f"(the job is over){why}", was_spare=spare or dropped)
+
+
 class DynamicRendezvous:
     """torch's dynamic rendezvous over c10d or etcd-v2, with fast timings, hot-spare events,
     and distinct errors for a lost service and a closed job.
@@ -575,12 +583,7 @@ class DynamicRendezvous:
         if isinstance(exc, api.RendezvousGracefulExitError | api.RendezvousClosedError):
             # A node dropped from its round (stopped for a while) that finds the job over
             # was not needed again: it ends like a spare, not as a failure.
-            spare = self._spare_since is not None or self._was_dropped
-            why = ("; this node was dropped from its round and not needed again"
-                   if self._was_dropped else "; this spare was not needed" if spare else "")
-            return RendezvousClosed(
-                f"the rendezvous at {self.endpoint} was closed by the other nodes (the job "
-                f"is over){why}", was_spare=spare)
+            return _closed(self.endpoint, self._spare_since is not None, self._was_dropped)
         if isinstance(exc, self._unreachable):
             now = time.monotonic()
             if self._unreachable_since is None:

@@ -15,6 +15,7 @@ from typing import Any
 
 import click
 
+from ft_launcher.extras import MissingExtra
 from ft_launcher.ledger import ledger_of, split_attempts
 from ft_launcher.rundir import read_events
 from ft_launcher.straggler import speed_table
@@ -253,7 +254,7 @@ def cli(run_dir: Path, as_json: bool, html_path: Path | None) -> None:
 
         try:
             timeline.write_html(html_path, events, report)
-        except timeline.MissingExtra as exc:
+        except MissingExtra as exc:
             raise click.ClickException(str(exc)) from None
         except OSError as exc:
             raise click.ClickException(f"--html {html_path}: {exc.strerror or exc}") from None

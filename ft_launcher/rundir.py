@@ -13,7 +13,9 @@ a directory after the first launcher ended (a requeued job) is a new attempt:
 ``launcher_started`` event's ``attempt``, and ``launcher_started`` records it.
 
 Writes never end the job: an event that cannot be written (a full disk) is counted and
-reported once; a summary that cannot be written is printed to stderr instead.
+reported once; a summary that cannot be written is printed to stderr instead. On a disk
+that fills up, the workers' logs stop first and the events next, so that the summary still
+has room (``reserve.py``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from ft_launcher.reserve import RECORD, NoRoom, event_fits
 
 log = logging.getLogger("ft_launcher")
 
@@ -169,6 +173,7 @@ class RunDir:
             self._make_private()
             self.attempt = self._next_attempt()
             self._events_fd = open_nofollow(self.path / EVENTS_FILE)
+            RECORD.protect(self.path)
         except OSError as exc:
             os.close(self._lock_fd)
             if isinstance(exc, RunDirError):
@@ -249,6 +254,9 @@ class RunDir:
     def _append(self, data: bytes) -> None:
         if self._torn:
             data = b"\n" + data
+        if not event_fits(self._events_fd, len(data)):  # the rest is summary.json's
+            self._dropped(NoRoom())
+            return
         try:
             written = os.write(self._events_fd, data)
         except OSError as exc:
@@ -265,6 +273,7 @@ class RunDir:
                       "goes on", self.path / EVENTS_FILE, exc.strerror or exc)
 
     def close(self) -> None:
+        RECORD.release(self.path)
         with self._lock:
             for fd in (self._events_fd, self._lock_fd):
                 try:

@@ -15,9 +15,10 @@ import socket
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from ft_launcher.torchrun_compat import split_signals
+
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 PASS_THROUGH_SIGNALS = (signal.SIGUSR1,)  # handed to the workers, the job goes on
-TERMINATING_SIGNAL_NAMES = {signal.Signals(s).name for s in FORWARDED_SIGNALS}
 
 
 class Interrupted(Exception):
@@ -31,7 +32,12 @@ class Interrupted(Exception):
 class SignalBox:
     """Pending signals, owed pass-through signals and the fd that wakes the loop."""
 
-    def __init__(self) -> None:
+    def __init__(self, handled: tuple[int, ...] | None = None) -> None:
+        # --signals-to-handle (torchrun's option) replaces the defaults above
+        self.stops, self.passed_on = (
+            (FORWARDED_SIGNALS, PASS_THROUGH_SIGNALS) if handled is None
+            else split_signals(handled))
+        self.stop_names = {signal.Signals(s).name for s in self.stops}
         self.pending: list[int] = []
         # Pass-through signals not yet handed to these ranks of the cycle.
         self.owed: dict[int, set[int]] = {}
@@ -43,12 +49,12 @@ class SignalBox:
     def install(self) -> None:
         """Handle the forwarded, pass-through and SIGCHLD signals; wake the loop on each."""
         signal.set_wakeup_fd(self._wake_w.fileno(), warn_on_full_buffer=False)
-        for s in (*FORWARDED_SIGNALS, *PASS_THROUGH_SIGNALS, signal.SIGCHLD):
+        for s in (*self.stops, *self.passed_on, signal.SIGCHLD):
             signal.signal(s, self.on_signal)
 
     def on_signal(self, signum: int, _frame: Any = None) -> None:
         self.pending.append(signum)
-        if self._blocking and signum in FORWARDED_SIGNALS:
+        if self._blocking and signum in self.stops:
             raise Interrupted(signum)
 
     @contextlib.contextmanager
@@ -83,7 +89,7 @@ class SignalBox:
 
     def terminating(self) -> int | None:
         """A pending terminating signal, left pending; or None."""
-        return next((s for s in self.pending if s in FORWARDED_SIGNALS), None)
+        return next((s for s in self.pending if s in self.stops), None)
 
     def owe(self, signum: int, ranks: Iterable[int]) -> set[int]:
         """Owe ``signum`` to ``ranks`` too; returns every rank it is owed to now."""

@@ -27,7 +27,7 @@ from ft_launcher.monitor import Monitor
 from ft_launcher.policy import CycleResult, Decision, JobState, Outcome
 from ft_launcher.rundir import RunDir
 from ft_launcher.signals import Interrupted, SignalBox
-from ft_launcher.standby import StandbyPool
+from ft_launcher.standby_pool import StandbyPool
 
 log = logging.getLogger("ft_launcher")
 
@@ -66,7 +66,7 @@ class Supervisor:
         self.record = JobRecord()
         self.fault_plan = faults.plan_for(cfg.ft.simulated_fault,
                                           cfg.max_nodes * cfg.nproc_per_node)
-        self.signals = parts.signals or SignalBox()
+        self.signals = parts.signals or SignalBox(cfg.signals_to_handle)
         self.rdzv = parts.rdzv or make_rendezvous(cfg, self.event)
         self.socket_path: Path | None = None
         self.monitor = parts.monitor or self._make_monitor()

@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ft_launcher.extras import import_extra
 from ft_launcher.ledger import PHASES, well_formed
 
 # Events too frequent or too internal to draw as marks.
@@ -42,18 +43,10 @@ def _esc(text: object) -> str:
     return html.escape(str(text), quote=False)
 
 
-class MissingExtra(RuntimeError):
-    """plotly is not installed."""
-
-
 def _plotly() -> Any:
-    try:
-        import plotly.graph_objects as go
-        from plotly.subplots import make_subplots
-    except ImportError:
-        raise MissingExtra("ft_report --html needs plotly: "
-                           "pip install 'ft-launcher[report]'") from None
-    return go, make_subplots
+    go, subplots = import_extra(("plotly.graph_objects", "plotly.subplots"),
+                                "ft_report --html", "plotly", "report")
+    return go, subplots.make_subplots
 
 
 def _when(record: dict[str, Any]) -> float | None:

@@ -157,7 +157,7 @@ def handles_signal(pid: int, signum: int) -> bool:
 def spawn_process(argv: list[str], env: dict[str, str], stdin: int) -> subprocess.Popen:
     """Start a worker-like process: own session, PDEATHSIG, stdout+stderr merged in a pipe.
 
-    Used for cold workers and for warm-restart standbys (standby.py), so both are isolated
+    Used for cold workers and for warm-restart standbys (standby_pool.py), so both are isolated
     and outlived by nothing in the same way.
     """
     parent = os.getpid()
@@ -194,7 +194,7 @@ class WorkerGroup:
               warm: Callable[[WorkerSpec], Worker | None] | None = None) -> None:
         """Spawn every worker; on a spawn failure kill the ones already started.
 
-        ``warm`` (warm restart, standby.py) may hand over an activated standby for a spec;
+        ``warm`` (warm restart, standby_pool.py) may hand over an activated standby for a spec;
         where it returns None the worker is spawned cold.
         """
         try:

@@ -76,54 +76,8 @@ tracker files of both formats are read line by line; state dicts carry a version
 saving rank, are checked on load, and ``validate_state_dict`` never raises.
 """
 
-from .rerun_state_machine import (
-    COMPARISON_MATCH,
-    COMPARISON_MISMATCH,
-    EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
-    EXIT_CODE_RESUME_TO_DISAMBIGUATE,
-    Call,
-    Caller,
-    DataIteratorArgType,
-    QuickStats,
-    RerunDataIterator,
-    RerunDiagnostic,
-    RerunErrorInjector,
-    RerunMode,
-    RerunState,
-    RerunStateMachine,
-    RerunValidationStatus,
-    SerializableStateType,
-    add_diagnosis_listener,
-    current_device_identity,
-    destroy_rerun_state_machine,
-    get_rerun_state_machine,
-    initialize_rerun_state_machine,
-    remove_diagnosis_listener,
-    share_iterations_to_skip,
-)
+# The public names are rerun_state_machine's ``__all__``: listed once, there.
+from . import rerun_state_machine as _machine
+from .rerun_state_machine import *  # noqa: F403
 
-__all__ = [
-    "COMPARISON_MATCH",
-    "COMPARISON_MISMATCH",
-    "EXIT_CODE_FAILED_ON_RESULT_VALIDATION",
-    "EXIT_CODE_RESUME_TO_DISAMBIGUATE",
-    "Call",
-    "Caller",
-    "DataIteratorArgType",
-    "QuickStats",
-    "RerunDataIterator",
-    "RerunDiagnostic",
-    "RerunErrorInjector",
-    "RerunMode",
-    "RerunState",
-    "RerunStateMachine",
-    "RerunValidationStatus",
-    "SerializableStateType",
-    "add_diagnosis_listener",
-    "current_device_identity",
-    "destroy_rerun_state_machine",
-    "get_rerun_state_machine",
-    "initialize_rerun_state_machine",
-    "remove_diagnosis_listener",
-    "share_iterations_to_skip",
-]
+__all__ = list(_machine.__all__)

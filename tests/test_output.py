@@ -176,3 +176,32 @@ def test_a_worker_group_records_a_full_log_once_on_the_callers_thread(tmp_path: 
                          threading.current_thread().name)]
     assert worker.describe_exit() == {"exit_code": 0, "signal": None,
                                       "output_dropped_bytes": 2000 * 512}
+
+
+def test_logs_stop_at_the_record_reserve_and_look_again(tmp_path, monkeypatch):
+    """Injected free space and clock: log writes go ahead while they leave LOG_RESERVE,
+    statvfs is read again once half the room is used (or a second passed), and a refused
+    write is allowed again when space came back. Only the protected file system counts."""
+    from ft_launcher import reserve
+
+    guard = reserve.SpaceReserve()
+    free = [reserve.LOG_RESERVE + 100_000]
+    looks = []
+    now = [0.0]
+    monkeypatch.setattr(reserve.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(guard, "_free", lambda: looks.append(now[0]) or free[0])
+    assert guard.log_allows(10_000) and len(looks) == 1  # room 90 000: budget 45 000
+    assert all(guard.log_allows(10_000) for _ in range(4)) and len(looks) == 1
+    free[0] -= 50_000
+    assert guard.log_allows(10_000) and len(looks) == 2  # budget spent: look again
+    free[0] = reserve.LOG_RESERVE + 5_000
+    now[0] = 2.0  # a second passed: look again, whatever the budget
+    assert not guard.log_allows(10_000) and len(looks) == 3
+    free[0] = reserve.LOG_RESERVE + 1_000_000
+    assert guard.log_allows(10_000)
+    with open(tmp_path / "f", "wb") as f:
+        assert not guard.covers(f.fileno())  # nothing protected yet
+        guard.protect(tmp_path)
+        assert guard.covers(f.fileno())
+        guard.release(tmp_path)
+        assert not guard.covers(f.fileno())

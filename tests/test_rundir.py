@@ -59,14 +59,13 @@ def shared_dir():
     shutil.rmtree(path, ignore_errors=True)
 
 
-@pytest.fixture
-def small_tmpfs():
-    """A real 1 MiB tmpfs (root only), unmounted at teardown."""
+def _tmpfs(size: str):
+    """A real tmpfs of ``size`` (root only), unmounted at teardown."""
     if not IS_ROOT:
         pytest.skip("needs root to mount a small tmpfs")
     path = Path(tempfile.mkdtemp(prefix="ft_tmpfs_", dir="/tmp"))
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0755", "tmpfs", str(path)],
-                         capture_output=True, text=True, timeout=30)
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs",
+                          str(path)], capture_output=True, text=True, timeout=30)
     if res.returncode != 0:
         path.rmdir()
         pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip()}")
@@ -75,6 +74,18 @@ def small_tmpfs():
     finally:
         subprocess.run(["umount", "-l", str(path)], capture_output=True, timeout=30)
         path.rmdir()
+
+
+@pytest.fixture
+def small_tmpfs():
+    """A real 1 MiB tmpfs."""
+    yield from _tmpfs("1m")
+
+
+@pytest.fixture
+def tmpfs_2m():
+    """A real 2 MiB tmpfs."""
+    yield from _tmpfs("2m")
 
 
 def fill(directory: Path) -> None:
@@ -318,6 +329,30 @@ def test_a_full_run_dir_disk_keeps_the_exit_code_and_prints_the_summary(small_tm
                              + "\n}")
     assert summary["exit_code"] == 0
     assert summary["workers"][0]["exit_code"] == 0, summary["workers"]
+
+
+@pytest.mark.timeout(120)
+def test_a_run_dir_disk_filled_by_a_rank_keeps_room_for_the_record(tmpfs_2m: Path):
+    """The run dir on a 2 MiB tmpfs, a rank printing far more than that: its log stops
+    first (output_dropped, in events.jsonl), every event after it is still written, and
+    summary.json is on disk with the exit code."""
+    run = tmpfs_2m / "run"
+    res = launch(run, "--nproc-per-node", "1", "--redirects", "3", "--ft-min-free-space", "0",
+                 IO_CASES, "chatty", "2.5")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert (run / "summary.json").exists(), res.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["exit_code"] == 0 and "events_dropped" not in summary, summary
+    assert summary["workers"][0]["exit_code"] == 0, summary["workers"]
+    evs = events(run)
+    dropped = named(evs, "output_dropped")
+    assert [d["rank"] for d in dropped] == [0], dropped
+    assert "No space left on device" in dropped[0]["reason"]
+    names = [e["event"] for e in evs]
+    assert names.index("output_dropped") < names.index("worker_exited")
+    assert names[-1] == "launcher_exited"
+    log_size = (run / "logs" / "cycle_0" / "rank_0.log").stat().st_size
+    assert 256 * 1024 < log_size < 2 * 1024 * 1024  # it wrote until the reserve, not beyond
 
 
 if sys.platform != "linux":  # pragma: no cover

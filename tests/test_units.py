@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import types
 
 import pytest
 from hypothesis import given, settings
@@ -107,7 +108,7 @@ def test_an_agent_folds_heartbeats_closer_than_the_fold_interval_once_it_said_so
     monkeypatch.setattr(client_module.time, "monotonic", lambda: now[0])
     c = client_module.RankMonitorClient()
     c._enabled = True
-    c._send = lambda frame: sent.append(protocol.decode(frame))
+    c._link = types.SimpleNamespace(send=lambda frame: sent.append(protocol.decode(frame)))
     fold = protocol.HEARTBEAT_FOLD_S
 
     def beat_at(*times: float) -> list[tuple[float, bool]]:

@@ -29,8 +29,8 @@ from launch_helpers import (
     wait_for,
 )
 
-from ft_launcher.standby import PythonEntry, _encode_record
-from ft_launcher.worker_side import standby as standby_worker
+from ft_launcher.standby_process import PythonEntry, encode_record
+from ft_launcher.worker_side import activation
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -463,7 +463,7 @@ def test_the_first_cycle_waits_only_for_a_zygote_expected_safe(tmp_path, monkeyp
     launcher sets it for several local ranks): the first cycle does not wait for a zygote
     that is bound to fall back, which then imports at idle priority as before."""
     from ft_launcher.config import FaultToleranceConfig, LaunchConfig
-    from ft_launcher.standby import StandbyPool
+    from ft_launcher.standby_pool import StandbyPool
 
     script = tmp_path / "train.py"
     script.write_text("pass\n")
@@ -510,7 +510,7 @@ class _FakeClock:
 def test_the_first_cycle_wait_is_bounded_and_ends_on_a_signal():
     """A zygote stuck in its imports holds the first cycle exactly the limit (then its ranks
     start cold); a stop signal ends the wait at the next look; ready standbys end it at once."""
-    from ft_launcher.standby import FirstCycleWait, await_first_cycle
+    from ft_launcher.standby_pool import FirstCycleWait, await_first_cycle
 
     clock = _FakeClock()
     wait = await_first_cycle(lambda: True, clock.pause, lambda: None, 60.0, clock)
@@ -594,8 +594,8 @@ def test_activation_record_round_trip():
     args = ["--flag", "x y", "", "ü"]
     r, w = os.pipe()
     try:
-        os.write(w, _encode_record("/some/dir", entry, args, env))
-        fields = [os.fsdecode(f) for f in standby_worker._read_record(r)]
+        os.write(w, encode_record("/some/dir", entry, args, env))
+        fields = [os.fsdecode(f) for f in activation._read_record(r)]
     finally:
         os.close(r)
         os.close(w)
@@ -604,16 +604,16 @@ def test_activation_record_round_trip():
 
 def test_standby_worker_imports_nothing_heavy():
     """What the standby adds to a fresh interpreter's sys.modules is only itself."""
-    code = ("import sys; before = set(sys.modules); import ft_launcher.worker_side.standby; "
+    code = ("import sys; before = set(sys.modules); import ft_launcher.worker_side.activation; "
             "print(','.join(sorted(set(sys.modules) - before)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=ROOT, timeout=30, check=True).stdout
-    assert out.strip() == "ft_launcher,ft_launcher.worker_side,ft_launcher.worker_side.standby"
+    assert out.strip() == "ft_launcher,ft_launcher.worker_side,ft_launcher.worker_side.activation"
 
 
 ADOPTION = '''
 import os, time
-from ft_launcher.standby import ChildProcess, become_subreaper, reap_orphans
+from ft_launcher.standby_process import ChildProcess, become_subreaper, reap_orphans
 
 assert become_subreaper()
 PARENT = os.getpid()
@@ -673,7 +673,8 @@ def test_take_store_hands_over_a_listening_tcpstore_per_cycle(tmp_path):
     """The zygote keeps a spare TCPStore host; take_store() hands it over (a real TCPStore
     client connects at once), asks for the next, and ends the previous cycle's."""
     from ft_launcher.config import FaultToleranceConfig, LaunchConfig
-    from ft_launcher.standby import StandbyPool, _parent_of
+    from ft_launcher.standby_pool import StandbyPool
+    from ft_launcher.standby_process import parent_of
 
     script = tmp_path / "train.py"
     script.write_text("pass\n")
@@ -686,13 +687,13 @@ def test_take_store_hands_over_a_listening_tcpstore_per_cycle(tmp_path):
     try:
         def spare():
             pool.tick(True)
-            return pool.spare_store
+            return pool.stores.spare
 
         assert pool.take_store() is None  # nothing ready yet: rank 0 hosts the first store
         wait_for(spare, 90, "a spare store from the zygote")
         first = pool.take_store()
-        assert first is not None and pool.store is not None
-        first_host = pool.store.pid
+        assert first is not None and pool.stores.current is not None
+        first_host = pool.stores.current.pid
         client = subprocess.run([sys.executable, "-c", STORE_CLIENT, str(first)],
                                 capture_output=True, text=True, timeout=60)
         assert client.stdout.strip() == "1", client.stderr
@@ -701,8 +702,8 @@ def test_take_store_hands_over_a_listening_tcpstore_per_cycle(tmp_path):
         assert second is not None and second != first
         wait_for(lambda: _gone([first_host]) or pool.tick(True), 5,
                  "the previous cycle's store to end")
-        assert _parent_of(pool.store.pid) == os.getpid()  # adopted: the launcher's child
-        pids = [pool.store.pid, pool.zygote.proc.pid]
+        assert parent_of(pool.stores.current.pid) == os.getpid()  # adopted: the launcher's child
+        pids = [pool.stores.current.pid, pool.zygote.proc.pid]
     finally:
         pool.close()
     assert _gone(pids)
@@ -735,7 +736,7 @@ def test_a_cold_restart_uses_a_cycle_store_that_listens_before_the_workers(tmp_p
 
 def test_no_agent_store_no_zygote(tmp_path):
     from ft_launcher.config import FaultToleranceConfig, LaunchConfig
-    from ft_launcher.standby import StandbyPool
+    from ft_launcher.standby_pool import StandbyPool
 
     script = tmp_path / "train.py"
     script.write_text("pass\n")

@@ -1,6 +1,6 @@
 """Runs inside the warm-restart zygote: import the preloads once, then fork standbys.
 
-The launcher (``ft_launcher.standby``) starts this at its own start as
+The launcher (``ft_launcher.zygote_link``) starts this at its own start as
 
     python -u -c "from ft_launcher.worker_side.zygote import main; main()" \\
         NONCE RUN_DIR SYS_PATH0 PRELOAD LAUNCHER_PID PRIORITY
@@ -25,7 +25,7 @@ and adopted by the launcher, which is a child subreaper (``PR_SET_CHILD_SUBREAPE
 worker it becomes is the launcher's own child, like a cold worker (exit status, SIGCHLD), and
 does not depend on the zygote staying alive. The standby then starts its own session, sets
 PDEATHSIG (relative to the launcher, its parent now), checks its parent is the launcher,
-moves the pipes to fds 0, 1 and 2 and serves (``standby.serve``): ready in milliseconds,
+moves the pipes to fds 0, 1 and 2 and serves (``activation.serve``): ready in milliseconds,
 with every imported page shared copy-on-write with the zygote and its siblings.
 
 The zygote exits when the launcher closes the socket; it dies with the launcher.
@@ -35,7 +35,7 @@ import os
 import sys
 import time
 
-from ft_launcher.worker_side import standby
+from ft_launcher.worker_side import activation
 
 EXIT_UNSAFE = 4
 _PR_SET_PDEATHSIG = 1
@@ -68,7 +68,7 @@ def unsafe_reason() -> str | None:
                 return "the preloads loaded the CUDA driver (libcuda.so is mapped)"
     except OSError:
         pass
-    gpu = standby.gpu_files()
+    gpu = activation.gpu_files()
     if gpu:
         return f"the preloads opened a GPU device ({gpu[0]})"
     return None
@@ -149,12 +149,12 @@ def _become_standby(ctl, nonce: str, fds: list[int], requested: float,
     os.close(stdin_fd)
     os.close(out_fd)
     ctl.close()
-    standby.say(nonce, f"pid {os.getpid()}")  # the launcher's child now: it can reap it
+    activation.say(nonce, f"pid {os.getpid()}")  # the launcher's child now: it can reap it
     numpy_random = sys.modules.get("numpy.random")
     if numpy_random is not None:  # a fresh process seeds it itself (Python's random reseeds
         numpy_random.seed()  # at fork on its own)
     handlers, mask = signals
-    standby.serve(nonce, handlers, mask, requested, forget)
+    activation.serve(nonce, handlers, mask, requested, forget)
     sys.exit(0)  # the script returned
 
 
@@ -211,7 +211,7 @@ def main() -> None:
     """Entry point of the zygote (see the module docstring)."""
     _nonce, _run_dir, path0, preload, launcher, priority = sys.argv[1:7]
     started = time.monotonic()
-    signals = standby.initial_signals()
+    signals = activation.initial_signals()
     ctl_fd = os.dup(0)
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
@@ -219,7 +219,7 @@ def main() -> None:
     if priority == "idle":
         _set_policy("SCHED_IDLE")  # the launcher raises it once the cycle trains
     sys.path[0] = path0
-    failure = standby.import_preloads([m for m in preload.split(",") if m])
+    failure = activation.import_preloads([m for m in preload.split(",") if m])
     preloaded = set(sys.modules)
     import _socket  # noqa: PLC0415 - after the preloads, so the standbys can forget them
     import ctypes  # noqa: F401, PLC0415 - for the standbys' prctl, imported once here
@@ -228,7 +228,7 @@ def main() -> None:
     ctl = _socket.socket(fileno=ctl_fd)
     if failure is not None:
         _send(ctl, f"failed {failure}")
-        sys.exit(standby.EXIT_PRELOAD_FAILED)
+        sys.exit(activation.EXIT_PRELOAD_FAILED)
     reason = unsafe_reason() or _set_policy("SCHED_OTHER")
     if reason is not None:
         _send(ctl, f"unsafe {reason}")

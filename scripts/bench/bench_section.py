@@ -87,12 +87,10 @@ def measure(client: RankMonitorClient, calls: int, repeat: int) -> dict[str, Any
 
     # What a section cost before its fast path: each frame JSON-encoded per call.
     def json_encoded() -> None:
-        with client._lock:
-            client._send(protocol.encode(protocol.SECTION_OPEN, name="compute",
-                                         t=time.monotonic()))
-        with client._lock:
-            client._send(protocol.encode(protocol.SECTION_CLOSE, name="compute",
-                                         t=time.monotonic()))
+        client._link.send(protocol.encode(protocol.SECTION_OPEN, name="compute",
+                                          t=time.monotonic()))
+        client._link.send(protocol.encode(protocol.SECTION_CLOSE, name="compute",
+                                          t=time.monotonic()))
 
     kinds = {"send_heartbeat": client.send_heartbeat, "start+end_section": pair,
              "with section": context, "pair, JSON-encoded": json_encoded}

@@ -1,12 +1,12 @@
 """Runs inside a warm-restart standby: wait for an activation record, then become a worker.
 
-A standby comes to life in one of two ways (``ft_launcher.standby`` decides):
+A standby comes to life in one of two ways (``ft_launcher.standby_pool`` decides):
 
 - forked by the zygote (``zygote.py``), which imported the ``--ft-preload`` modules once;
   the zygote calls ``serve`` in the new process;
 - spawned by the launcher when forking is not safe, as
 
-      python -u -c "from ft_launcher.worker_side.standby import main; main()" \\
+      python -u -c "from ft_launcher.worker_side.activation import main; main()" \\
           NONCE RUN_DIR SYS_PATH0 PRELOAD
 
   with the interpreter and flags of a cold worker, in its own session; ``main`` imports the
