@@ -121,7 +121,8 @@ def open_dir(directory: str | os.PathLike[str], create: bool = False) -> int:
     except FileNotFoundError:
         raise SnapshotError("missing", f"{path} does not exist") from None
     except OSError as e:
-        if e.errno == errno.ELOOP:
+        # O_DIRECTORY|O_NOFOLLOW on a symlink fails with ENOTDIR on Linux, ELOOP elsewhere
+        if e.errno == errno.ELOOP or os.path.islink(path):
             raise SnapshotError("symlink", f"{path} is a symlink; refused") from None
         if e.errno == errno.ENOTDIR:
             raise SnapshotError("not_a_directory", f"{path} is not a directory") from None

@@ -301,7 +301,7 @@ def _tensor_spec(row: Any, i: int, pos: int, file_bytes: int) -> TensorSpec:
     if not (isinstance(row, list) and len(row) == 4):
         raise SnapshotError("format", f"tensor {i} is not [dtype, shape, offset, nbytes]")
     dtype, shape, offset, nbytes = row
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise SnapshotError("format", f"tensor {i}: dtype {str(dtype)[:40]!r} not allowed")
     if not isinstance(shape, list) or len(shape) > MAX_NDIM:
         raise SnapshotError("format", f"tensor {i}: shape is not a list of <= {MAX_NDIM} dims")
@@ -339,7 +339,7 @@ def _check_tree(node: Any, n_tensors: int, used: list[int], depth: int) -> None:
         if not isinstance(v, str):
             raise SnapshotError("format", "bytes node is not a string")
     elif tag == TAG_FLOAT:
-        if v not in _FLOATS:
+        if not isinstance(v, str) or v not in _FLOATS:
             raise SnapshotError("format", "float node is not nan/inf/-inf")
     elif tag == TAG_TUPLE:
         if not isinstance(v, list):
