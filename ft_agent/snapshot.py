@@ -519,9 +519,10 @@ class SnapshotStore:
         start = time.perf_counter()
         try:
             file_bytes = self._write_slot(job)
-        except (OSError, SnapshotError) as e:
+        except Exception as e:  # noqa: BLE001 - a failed write is reported, never raised
+            kind = "io" if isinstance(e, OSError) else type(e).__name__
             self._last = WriteResult(job.iteration, job.slot, False, job.nbytes,
-                                     time.perf_counter() - start, f"io: {e}")
+                                     time.perf_counter() - start, f"{kind}: {e}")
             log.warning("snapshot of iteration %d to slot %s failed: %s",
                         job.iteration, job.slot, e)
             return
