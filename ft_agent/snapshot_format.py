@@ -319,7 +319,8 @@ def _tensor_spec(row: Any, i: int, pos: int, file_bytes: int) -> TensorSpec:
 
 
 def _check_tree(node: Any, n_tensors: int, used: list[int], depth: int) -> None:
-    if depth > MAX_DEPTH + 1:
+    # The same count as encode_tree's: one level per list, tuple or dict.
+    if depth > MAX_DEPTH:
         raise SnapshotError("format", "structure nested too deep")
     if node is None or isinstance(node, (bool, int, float, str)):
         return
@@ -344,7 +345,8 @@ def _check_tree(node: Any, n_tensors: int, used: list[int], depth: int) -> None:
     elif tag == TAG_TUPLE:
         if not isinstance(v, list):
             raise SnapshotError("format", "tuple node is not a list")
-        _check_tree(v, n_tensors, used, depth + 1)
+        for x in v:
+            _check_tree(x, n_tensors, used, depth + 1)
     elif tag == TAG_DICT:
         if not isinstance(v, list):
             raise SnapshotError("format", "dict node is not a list of pairs")

@@ -502,3 +502,21 @@ def test_no_pickle_anywhere(module: str) -> None:
         elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
             assert (node.value.id, node.attr) not in {("torch", "load"), ("torch", "save"),
                                                       ("np", "load"), ("numpy", "load")}
+
+
+def _nested(depth: int):
+    value = torch.ones(1)
+    for level in range(depth):
+        value = [value] if level % 3 == 0 else ((value,) if level % 3 == 1 else {"k": value})
+    return value
+
+
+def test_nesting_the_writer_accepts_the_reader_accepts_and_deeper_is_refused(
+        tmp_path: Path) -> None:
+    deepest = _nested(fmt.MAX_DEPTH)
+    with SnapshotStore(tmp_path / "r") as store:
+        written(store, deepest, 1)
+        with pytest.raises(SnapshotError) as e:
+            store.snapshot(_nested(fmt.MAX_DEPTH + 1), 2)
+        assert e.value.reason == "unsupported" and "deeper" in str(e.value)
+    assert same(load(tmp_path / "r").state, deepest)
