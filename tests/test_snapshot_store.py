@@ -520,3 +520,37 @@ def test_nesting_the_writer_accepts_the_reader_accepts_and_deeper_is_refused(
             store.snapshot(_nested(fmt.MAX_DEPTH + 1), 2)
         assert e.value.reason == "unsupported" and "deeper" in str(e.value)
     assert same(load(tmp_path / "r").state, deepest)
+
+
+DTYPE_NAMES = sorted(fmt.DTYPES)
+
+
+@st.composite
+def tensors(draw):
+    dtype = fmt.DTYPES[draw(st.sampled_from(DTYPE_NAMES))]
+    shape = draw(st.lists(st.integers(0, 4), max_size=3))
+    n = torch.empty(shape, dtype=dtype).numel() * torch.empty((), dtype=dtype).element_size()
+    data = draw(st.binary(min_size=n, max_size=n))
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape) \
+        if n else torch.empty(shape, dtype=dtype)
+
+
+KEYS = st.none() | st.booleans() | st.integers(-5, 5) | st.text(max_size=4)
+STATES = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**63 + 1, 2**63 - 1) | st.floats()
+    | st.text(max_size=8) | st.binary(max_size=8) | tensors(),
+    lambda kids: st.lists(kids, max_size=3) | st.tuples(kids, kids)
+    | st.dictionaries(KEYS, kids, max_size=3),
+    max_leaves=12)
+
+
+@SETTINGS
+@given(state=STATES)
+def test_any_supported_state_round_trips_bit_for_bit(tmp_path: Path, state) -> None:
+    d = tmp_path / f"p{random.getrandbits(48)}"
+    try:
+        with SnapshotStore(d) as store:
+            written(store, state, 3)
+        assert same(state, load(d).state)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
