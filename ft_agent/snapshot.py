@@ -1,0 +1,593 @@
+"""A node-local, double-buffered snapshot store for one rank's training state.
+
+``SnapshotStore(directory).snapshot(state, iteration)`` blocks only while the state's tensors
+are copied into host buffers (kept and reused between snapshots, so the copy does not pay
+for fresh pages each time); a background thread then writes the older of two slots (A/B) and,
+last, that slot's commit record (write + rename). A writer killed at any point therefore
+leaves the other slot whole and loadable. ``load`` / ``latest`` / ``available_iterations``
+read a directory back, checking every tensor's CRC32 and refusing a tensor that holds NaN/Inf
+where the writer saw none.
+
+The directory must be the caller's own: a real directory (never followed through a symlink),
+owned by this uid, mode 0700; files in it are opened with O_NOFOLLOW and must be regular
+files of this uid. The format is in ``ft_agent.snapshot_format``; nothing here pickles.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ft_agent.snapshot_format import (
+    DTYPE_NAMES,
+    DTYPES,
+    MAX_COMMIT_BYTES,
+    PREFIX,
+    Commit,
+    Header,
+    SnapshotError,
+    decode_tree,
+    encode_commit,
+    encode_tree,
+    layout,
+    parse_commit,
+    parse_header,
+    parse_prefix,
+)
+
+log = logging.getLogger(__name__)
+
+SLOTS = ("a", "b")
+DIR_MODE = 0o700
+FILE_MODE = 0o600
+_WRITE_CHUNK = 64 * 2**20
+
+__all__ = [
+    "Snapshot", "SnapshotError", "SnapshotStatus", "SnapshotStore", "WriteResult",
+    "available_iterations", "latest", "load",
+]
+
+
+def slot_file(slot: str) -> str:
+    return f"slot_{slot}.bin"
+
+
+def commit_file(slot: str) -> str:
+    return f"commit_{slot}.json"
+
+
+@dataclass(frozen=True)
+class SnapshotStatus:
+    """What ``snapshot()`` did: ``started`` (a background write is under way), or skipped
+    with ``reason`` "busy" (the previous write is still running) or "budget"."""
+
+    started: bool
+    iteration: int
+    reason: str | None
+    bytes: int
+    blocking_s: float
+    slot: str | None = None
+
+
+@dataclass(frozen=True)
+class WriteResult:
+    """How a background write ended; ``error`` is set (and the slot left uncommitted) when
+    it failed, e.g. "io: [Errno 28] No space left on device"."""
+
+    iteration: int
+    slot: str
+    ok: bool
+    bytes: int
+    seconds: float
+    error: str | None = None
+
+
+@dataclass
+class Snapshot:
+    """A loaded, checked snapshot; ``rejected`` lists (slot, reason) of newer slots that
+    failed their checks on the way."""
+
+    state: Any
+    iteration: int
+    bytes: int
+    seconds: float
+    slot: str
+    seq: int
+    rejected: list[tuple[str, str]] = field(default_factory=list)
+
+
+# -- the directory and its files: trust checks ------------------------------------------
+
+
+def open_dir(directory: str | os.PathLike[str], create: bool = False) -> int:
+    """A descriptor of ``directory`` after checking it is a real directory of this uid with
+    mode 0700; with ``create``, makes it (and missing parents) 0700 first."""
+    path = os.fspath(directory)
+    if create:
+        _make_private(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise SnapshotError("missing", f"{path} does not exist") from None
+    except OSError as e:
+        # O_DIRECTORY|O_NOFOLLOW on a symlink fails with ENOTDIR on Linux, ELOOP elsewhere
+        if e.errno == errno.ELOOP or os.path.islink(path):
+            raise SnapshotError("symlink", f"{path} is a symlink; refused") from None
+        if e.errno == errno.ENOTDIR:
+            raise SnapshotError("not_a_directory", f"{path} is not a directory") from None
+        raise SnapshotError("io", f"{path}: {e}") from None
+    try:
+        _check_owned(os.fstat(fd), path, DIR_MODE)
+    except SnapshotError:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _make_private(path: str) -> None:
+    missing = []
+    p = Path(path)
+    while not os.path.lexists(p) and p != p.parent:
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, DIR_MODE)
+            os.chmod(d, DIR_MODE, follow_symlinks=False)  # the umask may have narrowed it
+        except FileExistsError:
+            pass  # a concurrent creator; open_dir checks what is there
+        except OSError as e:
+            raise SnapshotError("io", f"cannot create {d}: {e}") from None
+
+
+def _check_owned(st: os.stat_result, what: str, mode: int | None) -> None:
+    if st.st_uid != os.getuid():
+        raise SnapshotError("owner", f"{what} is owned by uid {st.st_uid}, not {os.getuid()}")
+    if mode is not None and stat.S_IMODE(st.st_mode) != mode:
+        raise SnapshotError("mode", f"{what} has mode {stat.S_IMODE(st.st_mode):o}, "
+                            f"not {mode:o}")
+
+
+def _open_read(dir_fd: int, name: str) -> tuple[int, os.stat_result]:
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
+                     dir_fd=dir_fd)
+    except FileNotFoundError:
+        raise SnapshotError("missing", f"no {name}") from None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise SnapshotError("symlink", f"{name} is a symlink; refused") from None
+        raise SnapshotError("io", f"{name}: {e}") from None
+    st = os.fstat(fd)
+    try:
+        if not stat.S_ISREG(st.st_mode):
+            raise SnapshotError("not_a_file", f"{name} is not a regular file")
+        _check_owned(st, name, None)
+    except SnapshotError:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def _read_exact(fd: int, view: memoryview, what: str) -> None:
+    got = 0
+    while got < len(view):
+        n = os.readv(fd, [view[got:]])
+        if n == 0:
+            raise SnapshotError("truncated", f"{what} ends early")
+        got += n
+
+
+def _read_small(dir_fd: int, name: str, bound: int) -> bytes:
+    fd, st = _open_read(dir_fd, name)
+    try:
+        if st.st_size > bound:
+            raise SnapshotError("format", f"{name} is {st.st_size} bytes, over {bound}")
+        buf = bytearray(st.st_size)
+        _read_exact(fd, memoryview(buf), name)
+        return bytes(buf)
+    except OSError as e:
+        raise SnapshotError("io", f"{name}: {e}") from None
+    finally:
+        os.close(fd)
+
+
+# -- reading -----------------------------------------------------------------------------
+
+
+def _read_commit(dir_fd: int, slot: str) -> Commit:
+    commit = parse_commit(_read_small(dir_fd, commit_file(slot), MAX_COMMIT_BYTES))
+    if commit.slot != slot:
+        raise SnapshotError("mismatch", f"{commit_file(slot)} names slot {commit.slot}")
+    return commit
+
+
+def _read_header(fd: int, size: int, commit: Commit, name: str) -> Header:
+    if size != commit.file_bytes:
+        raise SnapshotError("truncated", f"{name} is {size} bytes, its commit says "
+                            f"{commit.file_bytes}")
+    prefix = bytearray(PREFIX.size)
+    _read_exact(fd, memoryview(prefix), name)
+    header_len = parse_prefix(bytes(prefix), size)
+    data = bytearray(header_len)
+    _read_exact(fd, memoryview(data), name)
+    if zlib.crc32(data) != commit.header_crc:
+        raise SnapshotError("checksum", f"{name}: header checksum mismatch")
+    header = parse_header(bytes(data), size)
+    if header.iteration != commit.iteration:
+        raise SnapshotError("mismatch", f"{name} holds iteration {header.iteration}, its "
+                            f"commit says {commit.iteration}")
+    if len(header.tensors) != len(commit.crcs) or sum(
+            t.nbytes for t in header.tensors) != commit.tensor_bytes:
+        raise SnapshotError("mismatch", f"{name}: tensors differ from its commit record")
+    return header
+
+
+def _read_tensors(fd: int, header: Header, commit: Commit, name: str) -> list[torch.Tensor]:
+    out = []
+    for i, spec in enumerate(header.tensors):
+        raw = torch.empty(spec.nbytes, dtype=torch.uint8)
+        os.lseek(fd, spec.offset, os.SEEK_SET)
+        view = memoryview(raw.numpy()) if spec.nbytes else memoryview(b"")
+        _read_exact(fd, view, name)
+        if zlib.crc32(view) != commit.crcs[i]:
+            raise SnapshotError("checksum", f"{name}: tensor {i} checksum mismatch")
+        t = raw.view(DTYPES[spec.dtype]).reshape(spec.shape)
+        if not commit.nonfinite[i] and has_nonfinite(t):
+            raise SnapshotError("nonfinite", f"{name}: tensor {i} holds NaN/Inf, which it "
+                                "did not when snapshotted")
+        out.append(t)
+    return out
+
+
+def has_nonfinite(t: torch.Tensor) -> bool:
+    """Whether a tensor holds NaN or Inf (cheap: a sum first, the exact test only if the
+    sum is not finite, which overflow alone can also cause)."""
+    if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
+        return False
+    if bool(torch.isfinite(t.sum())):
+        return False
+    return not bool(torch.isfinite(t).all())
+
+
+def _load_slot(dir_fd: int, slot: str, commit: Commit) -> Snapshot:
+    start = time.perf_counter()
+    name = slot_file(slot)
+    fd, st = _open_read(dir_fd, name)
+    try:
+        header = _read_header(fd, st.st_size, commit, name)
+        tensors = _read_tensors(fd, header, commit, name)
+    except OSError as e:
+        raise SnapshotError("io", f"{name}: {e}") from None
+    finally:
+        os.close(fd)
+    state = decode_tree(header.tree, tensors)
+    return Snapshot(state, header.iteration, commit.tensor_bytes,
+                    time.perf_counter() - start, slot, commit.seq)
+
+
+def _commits(dir_fd: int) -> dict[str, Commit | SnapshotError]:
+    out: dict[str, Commit | SnapshotError] = {}
+    for slot in SLOTS:
+        try:
+            out[slot] = _read_commit(dir_fd, slot)
+        except SnapshotError as e:
+            out[slot] = e
+    return out
+
+
+def _guard(fn: Callable[[], Any]) -> Any:
+    """Run a decoder; anything but SnapshotError escaping it is a decoder bug on hostile
+    input, reported as a format error rather than raised as itself."""
+    try:
+        return fn()
+    except SnapshotError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the decoder's contract: one exception type
+        raise SnapshotError("format", f"undecodable ({type(e).__name__}: {e})") from None
+
+
+def available_iterations(directory: str | os.PathLike[str]) -> list[int]:
+    """Iterations with a committed slot whose file matches its commit record (size, header
+    checksum, header fields); the tensors' bytes are checked by ``load``. A missing
+    directory has none; an untrusted one raises ``SnapshotError``."""
+    try:
+        dir_fd = open_dir(directory)
+    except SnapshotError as e:
+        if e.reason == "missing":
+            return []
+        raise
+
+    def check() -> list[int]:
+        found = set()
+        for slot, commit in _commits(dir_fd).items():
+            if isinstance(commit, SnapshotError):
+                continue
+            try:
+                fd, st = _open_read(dir_fd, slot_file(slot))
+                try:
+                    found.add(_read_header(fd, st.st_size, commit, slot_file(slot)).iteration)
+                finally:
+                    os.close(fd)
+            except (SnapshotError, OSError):
+                continue
+        return sorted(found)
+
+    try:
+        return _guard(check)
+    finally:
+        os.close(dir_fd)
+
+
+def load(directory: str | os.PathLike[str], iteration: int | None = None) -> Snapshot:
+    """The newest committed slot that passes every check (or the one holding
+    ``iteration``); raises ``SnapshotError`` ("none", "iteration" or the directory's
+    fault) with ``rejected`` = (slot, reason) for each slot that failed."""
+    dir_fd = open_dir(directory)
+    try:
+        return _guard(lambda: _load_from(dir_fd, iteration))
+    finally:
+        os.close(dir_fd)
+
+
+def _load_from(dir_fd: int, iteration: int | None) -> Snapshot:
+    rejected: list[tuple[str, str]] = []
+    candidates = []
+    for slot, commit in _commits(dir_fd).items():
+        if isinstance(commit, SnapshotError):
+            if commit.reason != "missing":
+                rejected.append((slot, str(commit)))
+        elif iteration is None or commit.iteration == iteration:
+            candidates.append(commit)
+    # Newest first by iteration, then by write order (after a roll-back both may match).
+    candidates.sort(key=lambda c: (c.iteration, c.seq), reverse=True)
+    for commit in candidates:
+        try:
+            snap = _load_slot(dir_fd, commit.slot, commit)
+        except SnapshotError as e:
+            rejected.append((commit.slot, str(e)))
+            log.warning("snapshot slot %s (iteration %d) rejected: %s",
+                        commit.slot, commit.iteration, e)
+            continue
+        snap.rejected = rejected
+        return snap
+    if iteration is not None:
+        raise SnapshotError("iteration", f"no checked snapshot of iteration {iteration}",
+                            rejected)
+    raise SnapshotError("none", "no checked snapshot", rejected)
+
+
+def latest(directory: str | os.PathLike[str]) -> Snapshot | None:
+    """The newest checked snapshot in ``directory``, or None when there is none (use
+    ``load`` to learn why each slot was rejected)."""
+    try:
+        return load(directory)
+    except SnapshotError as e:
+        if e.reason in ("none", "missing"):
+            return None
+        raise
+
+
+# -- writing -----------------------------------------------------------------------------
+
+
+@dataclass
+class _Job:
+    iteration: int
+    slot: str
+    seq: int
+    tree: Any
+    buffers: list[torch.Tensor]
+    nbytes: int
+
+
+class SnapshotStore:
+    """One rank's snapshots in ``directory`` (created 0700 if missing; refused if it is
+    not this uid's, not 0700, or a symlink).
+
+    ``memory_budget`` (bytes, None = no limit) bounds what the store holds: the host
+    buffers of one snapshot plus both slot files; a snapshot that would exceed it is
+    skipped with reason "budget". At most one write is in flight.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], *,
+                 memory_budget: int | None = None) -> None:
+        self.directory = Path(directory)
+        self.memory_budget = memory_budget
+        self._dir_fd = open_dir(directory, create=True)
+        self._buffers: list[torch.Tensor] = []
+        self._thread: threading.Thread | None = None
+        self._last: WriteResult | None = None
+        self._lock = threading.Lock()
+        # slot -> (seq, iteration, file bytes) of its committed snapshot, or None
+        self._slots: dict[str, tuple[int, int, int] | None] = {}
+        for slot, c in _commits(self._dir_fd).items():
+            self._slots[slot] = None if isinstance(c, SnapshotError) else (
+                c.seq, c.iteration, c.file_bytes)
+
+    # public API -----------------------------------------------------------------------
+
+    def snapshot(self, state: Any, iteration: int, *, wait: bool = False) -> SnapshotStatus:
+        """Copy ``state``'s tensors to host buffers and start writing them in the
+        background. If the previous write is still running: with ``wait`` wait for it,
+        else skip ("busy"). Raises ``SnapshotError('unsupported')`` for a state it
+        cannot hold (naming the path)."""
+        start = time.perf_counter()
+        if self._busy():
+            if not wait:
+                return SnapshotStatus(False, iteration, "busy", 0,
+                                      time.perf_counter() - start)
+            self.wait()
+        tensors: list[Any] = []
+        tree = encode_tree(state, tensors)
+        sources = [_as_tensor(t, i) for i, t in enumerate(tensors)]
+        nbytes = sum(t.numel() * t.element_size() for t in sources)
+        slot, other = self._target()
+        if self.memory_budget is not None and 2 * nbytes + other > self.memory_budget:
+            return SnapshotStatus(False, iteration, "budget", nbytes,
+                                  time.perf_counter() - start)
+        buffers = self._copy(sources)
+        seq = 1 + max((s[0] for s in self._slots.values() if s), default=0)
+        self._slots[slot] = None  # from here until its commit, this slot holds nothing
+        job = _Job(iteration, slot, seq, tree, buffers, nbytes)
+        self._thread = threading.Thread(target=self._write, args=(job,), daemon=True,
+                                        name=f"ft-snapshot-{slot}")
+        self._thread.start()
+        return SnapshotStatus(True, iteration, None, nbytes, time.perf_counter() - start, slot)
+
+    def wait(self, timeout: float | None = None) -> WriteResult | None:
+        """Wait for the write in flight (if any); the last write's result."""
+        t = self._thread
+        if t is not None:
+            t.join(timeout)
+        return self._last
+
+    @property
+    def last_write(self) -> WriteResult | None:
+        return self._last
+
+    def load(self, iteration: int | None = None) -> Snapshot:
+        """``load(self.directory, iteration)`` after the write in flight ends."""
+        self.wait()
+        return load(self.directory, iteration)
+
+    def discard_newer_than(self, iteration: int) -> list[str]:
+        """Uncommit slots holding an iteration after ``iteration`` (after the world rolled
+        back to it, they are a future that will not happen); the slots discarded."""
+        self.wait()
+        dropped = []
+        for slot, held in self._slots.items():
+            if held and held[1] > iteration:
+                self._unlink(commit_file(slot))
+                self._slots[slot] = None
+                dropped.append(slot)
+        return dropped
+
+    def close(self) -> None:
+        """Wait for the write in flight, then release the buffers and the directory."""
+        self.wait()
+        self._buffers = []
+        if self._dir_fd >= 0:
+            os.close(self._dir_fd)
+            self._dir_fd = -1
+
+    def __enter__(self) -> SnapshotStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # internals ------------------------------------------------------------------------
+
+    def _busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _target(self) -> tuple[str, int]:
+        """The slot to write (an empty one, else the older) and the other's file size."""
+        a, b = self._slots["a"], self._slots["b"]
+        if a is None or (b is not None and a[0] < b[0]):
+            return "a", b[2] if b else 0
+        return "b", a[2] if a else 0
+
+    def _copy(self, sources: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The blocking part: copy into the previous snapshot's host buffers where shape
+        and dtype match (no fresh pages to fault in), else into new ones."""
+        old = self._buffers
+        out = []
+        for i, src in enumerate(sources):
+            buf = old[i] if i < len(old) else None
+            if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+                buf = torch.empty(src.shape, dtype=src.dtype, device="cpu",
+                                  pin_memory=src.is_cuda)
+            buf.copy_(src)
+            out.append(buf)
+        self._buffers = out
+        return out
+
+    def _write(self, job: _Job) -> None:
+        start = time.perf_counter()
+        try:
+            file_bytes = self._write_slot(job)
+        except Exception as e:  # noqa: BLE001 - a failed write is reported, never raised
+            kind = "io" if isinstance(e, OSError) else type(e).__name__
+            self._last = WriteResult(job.iteration, job.slot, False, job.nbytes,
+                                     time.perf_counter() - start, f"{kind}: {e}")
+            log.warning("snapshot of iteration %d to slot %s failed: %s",
+                        job.iteration, job.slot, e)
+            return
+        self._slots[job.slot] = (job.seq, job.iteration, file_bytes)
+        self._last = WriteResult(job.iteration, job.slot, True, job.nbytes,
+                                 time.perf_counter() - start)
+
+    def _write_slot(self, job: _Job) -> int:
+        self._unlink(commit_file(job.slot))
+        specs = [(DTYPE_NAMES[b.dtype], tuple(b.shape), b.numel() * b.element_size())
+                 for b in job.buffers]
+        head, placed, total = layout(job.iteration, job.tree, specs)
+        crcs, nonfinite = [], []
+        fd = os.open(slot_file(job.slot), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW |
+                     os.O_CLOEXEC, FILE_MODE, dir_fd=self._dir_fd)
+        try:
+            _check_owned(os.fstat(fd), slot_file(job.slot), None)
+            # Overwrite in place, then cut to size: tmpfs keeps the pages it already has.
+            _write_all(fd, memoryview(head), 0)
+            for buf, spec in zip(job.buffers, placed, strict=True):
+                view = _bytes_of(buf)
+                _write_all(fd, view, spec.offset)
+                crcs.append(zlib.crc32(view))
+                nonfinite.append(has_nonfinite(buf))
+            os.ftruncate(fd, total)
+        finally:
+            os.close(fd)
+        commit = Commit(job.slot, job.seq, job.iteration, total, zlib.crc32(head[PREFIX.size:]),
+                        job.nbytes, tuple(crcs), tuple(nonfinite), time.time())
+        tmp = commit_file(job.slot) + ".tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     FILE_MODE, dir_fd=self._dir_fd)
+        try:
+            _write_all(fd, memoryview(encode_commit(commit)), 0)
+        finally:
+            os.close(fd)
+        os.rename(tmp, commit_file(job.slot), src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
+        return total
+
+    def _unlink(self, name: str) -> None:
+        try:
+            os.unlink(name, dir_fd=self._dir_fd)
+        except FileNotFoundError:
+            pass
+
+
+def _as_tensor(value: Any, index: int) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        try:
+            value = torch.from_numpy(value)
+        except (TypeError, ValueError) as e:
+            raise SnapshotError("unsupported", f"numpy array {index}: {e}") from None
+    if value.layout != torch.strided or value.dtype not in DTYPE_NAMES:
+        raise SnapshotError("unsupported", f"tensor {index}: {value.dtype}/{value.layout} "
+                            f"(dense {', '.join(DTYPES)} only)")
+    return value.detach()
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _write_all(fd: int, view: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:done + _WRITE_CHUNK], offset + done)
