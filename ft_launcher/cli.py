@@ -428,8 +428,8 @@ def cli(**opts: Any) -> None:
         cfg = config_from_context(click.get_current_context(), opts, os.environ)
         if not verbose:  # NVRx's log_level; -v still means debug
             logging.getLogger().setLevel(cfg.ft.log_level)
+        from ft_launcher.process.workers import raise_fd_limit
         from ft_launcher.supervisor import Supervisor  # after validation: imports zmq
-        from ft_launcher.workers import raise_fd_limit
 
         raise_fd_limit()  # each rank's connection costs a descriptor; workers keep the old limit
         supervisor = Supervisor(cfg)
@@ -543,7 +543,7 @@ def _nproc(text: str, source: str) -> int:
     if text == "cpu":
         return os.cpu_count() or 1
     if text in ("gpu", "auto"):
-        from ft_launcher.health import count_gpus
+        from ft_launcher.nodes.health import count_gpus
 
         if gpus := count_gpus():
             return gpus

@@ -49,16 +49,16 @@ class FaultToleranceConfig(agent_config.FaultToleranceConfig):
     # workers start (TORCHELASTIC_USE_AGENT_STORE=True), even without warm restart. Off by
     # default: its torch import cost a 2-core machine 1.2 s of start-up (docs/warm-restart.md).
     agent_store: bool = False
-    # Stragglers (ft_launcher/straggler.py): score = a rank's median time in this section
+    # Stragglers (ft_launcher/stragglers/straggler.py): score = a rank's median time in this section
     # over the other ranks' medians, each over the last `window` steps.
     straggler_threshold: float = 1.3
     straggler_action: str = "report"  # report | restart | exclude
     straggler_window: int = 12
     straggler_section: str = "compute"
-    metrics_port: int | None = None  # Prometheus metrics (ft_launcher.metrics); None = off
+    metrics_port: int | None = None  # Prometheus metrics (ft_launcher.observe.metrics); None = off
     metrics_addr: str = "127.0.0.1"
     status_interval: float = 60.0  # seconds between status lines; 0 = off
-    # Node health checks (ft_launcher/health.py), run before every rendezvous.
+    # Node health checks (ft_launcher/nodes/health.py), run before every rendezvous.
     health_checks: list[str] = field(default_factory=list)  # shell commands
     health_check_timeout: float = 30.0  # seconds, per check
     min_free_space: int = 100 * 2**20  # bytes free in the run directory; 0 = no minimum

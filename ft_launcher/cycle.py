@@ -22,16 +22,20 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ft_launcher import faults, nccl_trace, straggler_exchange
+from ft_launcher import faults
 from ft_launcher.config import LaunchConfig
-from ft_launcher.hang import HangResponse
-from ft_launcher.liveness import HangVerdict
-from ft_launcher.monitor import RankSlot, monotonic_of, wall_of
+from ft_launcher.hang import nccl_trace
+from ft_launcher.hang.liveness import HangVerdict
+from ft_launcher.hang.monitor import RankSlot, monotonic_of, wall_of
+from ft_launcher.hang.response import HangResponse
+from ft_launcher.nodes.rendezvous import RendezvousLost, RoundInfo
 from ft_launcher.policy import CycleResult, JobState, Outcome, WorkerExit
-from ft_launcher.rendezvous import RendezvousLost, RoundInfo
+from ft_launcher.process.worker_env import CycleEnv, visible_gpus, worker_env
+from ft_launcher.process.workers import Worker, WorkerGroup, WorkerSpec, handles_signal
 from ft_launcher.rundir import RunDir
 from ft_launcher.signals import SignalBox
-from ft_launcher.straggler import DETECTED, StragglerDetector
+from ft_launcher.stragglers import straggler_exchange
+from ft_launcher.stragglers.straggler import DETECTED, StragglerDetector
 from ft_launcher.watch import (
     MESSAGE_BATCH_S,
     Clock,
@@ -42,8 +46,6 @@ from ft_launcher.watch import (
     next_wake,
     socket_wait,
 )
-from ft_launcher.worker_env import CycleEnv, visible_gpus, worker_env
-from ft_launcher.workers import Worker, WorkerGroup, WorkerSpec, handles_signal
 
 if TYPE_CHECKING:
     from ft_launcher.ports import GroupPort, MonitorPort, RendezvousPort, StandbyPort

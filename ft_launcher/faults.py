@@ -4,7 +4,8 @@
 so they work for any script. ``rank_exit`` needs the worker to exit with a given code, which
 only the worker can do: the launcher arms it through ``FT_SIMULATED_FAULT`` and ft_agent,
 once initialised in the worker, exits at the planned time. ``rank_slow:factor=F`` slows
-the rank to ~1/F of its speed from outside (SIGSTOP/SIGCONT duty cycle, ft_launcher/throttle.py)
+the rank to ~1/F of its speed from outside (SIGSTOP/SIGCONT duty cycle,
+ft_launcher/stragglers/throttle.py)
 until the cycle ends, or for ``duration`` seconds.
 """
 
@@ -19,10 +20,10 @@ from typing import TYPE_CHECKING, Any
 
 from ft_agent import simulated_fault
 from ft_launcher.config import ConfigError
-from ft_launcher.throttle import Throttle
+from ft_launcher.stragglers.throttle import Throttle
 
 if TYPE_CHECKING:
-    from ft_launcher.workers import WorkerGroup
+    from ft_launcher.process.workers import WorkerGroup
 
 FAULT_TYPES = ("rank_killed", "rank_hung", "random", "rank_exit", "rank_slow")
 KEYS = ("base_delay", "rand_delay", "rank", "cycles", "seed", "code")

@@ -10,17 +10,17 @@ from collections.abc import Callable
 from typing import Any
 
 from ft_launcher.config import LaunchConfig
-from ft_launcher.health import count_gpus, run_health_checks
-from ft_launcher.policy import CycleResult, Outcome
-from ft_launcher.rendezvous import (
+from ft_launcher.nodes.health import count_gpus, run_health_checks
+from ft_launcher.nodes.rendezvous import (
     C10dRendezvous,
     RendezvousClosed,
     RendezvousLost,
     RoundInfo,
     StaticRendezvous,
 )
+from ft_launcher.policy import CycleResult, Outcome
 from ft_launcher.signals import SignalBox
-from ft_launcher.standby_pool import await_first_cycle
+from ft_launcher.warm.standby_pool import await_first_cycle
 
 log = logging.getLogger("ft_launcher")
 

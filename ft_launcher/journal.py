@@ -9,10 +9,10 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ft_launcher.config import FaultToleranceConfig
-from ft_launcher.ledger import Ledger
-from ft_launcher.metrics import MetricsExporter
+from ft_launcher.observe.ledger import Ledger
+from ft_launcher.observe.metrics import MetricsExporter
+from ft_launcher.observe.status import StatusTimer, status_line
 from ft_launcher.rundir import RunDir
-from ft_launcher.status import StatusTimer, status_line
 
 log = logging.getLogger("ft_launcher")
 

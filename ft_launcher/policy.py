@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ft_launcher.liveness import HangVerdict
+from ft_launcher.hang.liveness import HangVerdict
 
 EXIT_SUCCESS = 0
 EXIT_FAILURE = 1

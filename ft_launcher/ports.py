@@ -11,9 +11,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from ft_launcher.liveness import HangVerdict
-from ft_launcher.rendezvous import RoundInfo, RoundView, Standing
-from ft_launcher.workers import Worker, WorkerSpec
+from ft_launcher.hang.liveness import HangVerdict
+from ft_launcher.nodes.rendezvous import RoundInfo, RoundView, Standing
+from ft_launcher.process.workers import Worker, WorkerSpec
 
 
 class MonitorPort(Protocol):

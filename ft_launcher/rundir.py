@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ft_launcher.reserve import RECORD, NoRoom, event_fits
+from ft_launcher.process.reserve import RECORD, NoRoom, event_fits
 
 log = logging.getLogger("ft_launcher")
 

@@ -21,13 +21,13 @@ from typing import Any
 from ft_launcher import faults, policy
 from ft_launcher.config import LaunchConfig
 from ft_launcher.cycle import Cycle, CycleDeps, JobRecord, arm_fault
+from ft_launcher.hang.monitor import Monitor
 from ft_launcher.join import Joiner, make_rendezvous
 from ft_launcher.journal import Journal
-from ft_launcher.monitor import Monitor
 from ft_launcher.policy import CycleResult, Decision, JobState, Outcome
 from ft_launcher.rundir import RunDir
 from ft_launcher.signals import Interrupted, SignalBox
-from ft_launcher.standby_pool import StandbyPool
+from ft_launcher.warm.standby_pool import StandbyPool
 
 log = logging.getLogger("ft_launcher")
 

@@ -38,25 +38,27 @@ def violations(path: Path) -> list[str]:
 
 
 def sibling_imports(path: Path, package: str = "ft_launcher") -> set[str]:
-    """The modules of ``package`` that ``path`` imports (``from package import x`` counts
-    ``x`` when it is a module of the package)."""
-    modules = {p.stem for p in (ROOT / package).glob("*.py")} | \
-        {p.name for p in (ROOT / package).iterdir() if p.is_dir()}
+    """The modules of ``package`` (and of its sub-packages) that ``path`` imports, by dotted
+    name below the package: ``from ft_launcher.hang import monitor`` counts ``hang.monitor``."""
+    def is_module(dotted: str) -> bool:
+        base = ROOT / package / dotted.replace(".", "/")
+        return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
+
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module:
             parts = node.module.split(".")
             if parts[0] != package:
                 continue
-            if len(parts) > 1:
-                names.add(parts[1])
-            else:
-                names.update(a.name for a in node.names if a.name in modules)
+            below = ".".join(parts[1:])
+            subs = [f"{below}.{a.name}".lstrip(".") for a in node.names]
+            found = [m for m in subs if is_module(m)]
+            names.update(found if found else [below])
         elif isinstance(node, ast.Import):
             for alias in node.names:
                 parts = alias.name.split(".")
                 if parts[0] == package and len(parts) > 1:
-                    names.add(parts[1])
+                    names.add(".".join(parts[1:]))
     return names
 
 

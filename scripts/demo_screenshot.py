@@ -74,8 +74,8 @@ def main() -> int:
         return report.returncode
     print(report.stdout[report.stdout.find("Goodput ledger"):])
     if args.height is None:  # the page's own height: the whole figure, nothing more
-        from ft_launcher import report as ft_report
-        from ft_launcher import timeline
+        from ft_launcher.observe import report as ft_report
+        from ft_launcher.observe import timeline
         from ft_launcher.rundir import read_events
 
         events = read_events(run_dir)

@@ -26,7 +26,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from ft_launcher.straggler import StragglerDetector, speed_table
+from ft_launcher.stragglers.straggler import StragglerDetector, speed_table
 
 run = Path(sys.argv[1])
 events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]

@@ -158,7 +158,7 @@ def test_children_of_workers_die_with_a_sigkilled_launcher(run_dir: Path):
 def test_a_worker_that_exited_16_before_the_teardown_keeps_its_code(tmp_path: Path):
     """Rank 0 exits 16 just before the group is stopped (not yet reaped): it keeps its 16
     and is not counted as signalled; rank 1, still running, is stopped by SIGTERM."""
-    from ft_launcher.workers import WorkerGroup, WorkerSpec
+    from ft_launcher.process.workers import WorkerGroup, WorkerSpec
 
     env = {**os.environ, "FT_RUN_DIR": str(tmp_path), "RANK": "0"}
     specs = [WorkerSpec(0, 0, [sys.executable, IO_CASES, "exit_code", "16"], env,

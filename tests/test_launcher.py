@@ -24,7 +24,7 @@ from launch_helpers import (
     wait_for,
 )
 
-from ft_launcher.workers import handles_signal
+from ft_launcher.process.workers import handles_signal
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from ft_launcher.ledger import Ledger, ledger_of
+from ft_launcher.observe.ledger import Ledger, ledger_of
+from ft_launcher.observe.status import StatusTimer, status_line
 from ft_launcher.rundir import read_events
-from ft_launcher.status import StatusTimer, status_line
 
 T0 = 1_800_000_000.0
 
@@ -255,7 +255,7 @@ def test_without_progress_reports_work_lost_is_unknown():
     assert ledger_of(silent).summary()["attempts"][0]["cycles"][0]["no_progress"] is None
 
 
-# -- the status line (ft_launcher/status.py, pure formatting of a summary) ----------
+# -- the status line (ft_launcher/observe/status.py, pure formatting of a summary) ----------
 
 def test_status_line_of_a_running_job():
     records = [r for r in killed_then_finished().records if r["ts"] <= T0 + 20]
@@ -318,7 +318,7 @@ def test_ledger_figures_match_what_the_training_measured(tmp_path: Path, run_dir
     status = [line for line in (proc.stdout + proc.stderr).splitlines() if "status: " in line]
     assert status and "step" in status[-1], (proc.stdout + proc.stderr)[-3000:]
     # ft_report ends with where the restarted cycle resumed.
-    report = subprocess.run([sys.executable, "-m", "ft_launcher.report", str(run_dir)],
+    report = subprocess.run([sys.executable, "-m", "ft_launcher.observe.report", str(run_dir)],
                             capture_output=True, text=True, timeout=60)
     assert report.stdout.splitlines()[-1] == \
         "Cycle 1 resumed at step 21 from its checkpoint of step 20 after signal SIGKILL."

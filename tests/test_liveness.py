@@ -8,10 +8,10 @@ import math
 import pytest
 
 from ft_agent.protocol import HEARTBEAT_FOLD_S
-from ft_launcher import blame
 from ft_launcher.config import FaultToleranceConfig
-from ft_launcher.liveness import STALL_SETTLE_S, Liveness
-from ft_launcher.timeouts import (
+from ft_launcher.hang import blame
+from ft_launcher.hang.liveness import STALL_SETTLE_S, Liveness
+from ft_launcher.hang.timeouts import (
     AUTO_MIN_INTERVALS,
     AUTO_MIN_TIMEOUT_S,
     TimeoutBook,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 
-from ft_launcher.rendezvous import StaticRendezvous, free_port
+from ft_launcher.nodes.rendezvous import StaticRendezvous, free_port
 
 
 def _hold(port: int) -> socket.socket:

@@ -17,7 +17,7 @@ from test_ledger import T0, Stream, killed_then_finished
 
 from ft_launcher.cli import build_ft_config
 from ft_launcher.config import ConfigError
-from ft_launcher.metrics import MetricsError, MetricsExporter
+from ft_launcher.observe.metrics import MetricsError, MetricsExporter
 
 
 def scrape(address: tuple[str, int]) -> dict[tuple[str, tuple], float]:

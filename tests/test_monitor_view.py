@@ -9,8 +9,8 @@ import pytest
 
 from ft_agent import protocol
 from ft_launcher.config import FaultToleranceConfig
-from ft_launcher.liveness import HangVerdict
-from ft_launcher.monitor import Monitor, RankSlot
+from ft_launcher.hang.liveness import HangVerdict
+from ft_launcher.hang.monitor import Monitor, RankSlot
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The output pump (ft_launcher/output.py) on real pipes and real writer processes: bounded
+"""The output pump (ft_launcher/process/output.py) on real pipes and real writer processes: bounded
 lines, escaped console, a log that cannot be written, a console that went away."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ft_launcher.output import LINE_LIMIT, OutputPump, Sink, console_line, split_lines
+from ft_launcher.process.output import LINE_LIMIT, OutputPump, Sink, console_line, split_lines
 
 
 def _writer(code: str) -> subprocess.Popen:
@@ -154,7 +154,7 @@ def test_a_worker_group_records_a_full_log_once_on_the_callers_thread(tmp_path: 
     event, emitted by poll() on this thread; the worker exits 0; the drop is counted."""
     import threading
 
-    from ft_launcher.workers import WorkerGroup, WorkerSpec
+    from ft_launcher.process.workers import WorkerGroup, WorkerSpec
 
     recorded: list[tuple[str, dict, str]] = []
     group = WorkerGroup(events=lambda name, **f: recorded.append(
@@ -182,7 +182,7 @@ def test_logs_stop_at_the_record_reserve_and_look_again(tmp_path, monkeypatch):
     """Injected free space and clock: log writes go ahead while they leave LOG_RESERVE,
     statvfs is read again once half the room is used (or a second passed), and a refused
     write is allowed again when space came back. Only the protected file system counts."""
-    from ft_launcher import reserve
+    from ft_launcher.process import reserve
 
     guard = reserve.SpaceReserve()
     free = [reserve.LOG_RESERVE + 100_000]

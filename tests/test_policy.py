@@ -8,7 +8,7 @@ import signal
 import pytest
 
 from ft_launcher import policy
-from ft_launcher.liveness import HangVerdict
+from ft_launcher.hang.liveness import HangVerdict
 from ft_launcher.policy import CycleResult, JobState, Outcome, WorkerExit
 
 

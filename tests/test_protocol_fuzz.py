@@ -270,8 +270,8 @@ def _monitor(tmp_path):
     if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
         tmp_path = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="ft_fuzz_"))
     from ft_launcher.config import FaultToleranceConfig
-    from ft_launcher.monitor import DIAGNOSIS_FIELDS, Monitor, RankSlot
-    from ft_launcher.timeouts import TimeoutBook
+    from ft_launcher.hang.monitor import DIAGNOSIS_FIELDS, Monitor, RankSlot
+    from ft_launcher.hang.timeouts import TimeoutBook
 
     recorded: list[tuple[str, dict]] = []
     ft = FaultToleranceConfig(rank_section_timeouts={"step": 30.0})

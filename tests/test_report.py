@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from test_ledger import T0, Stream, killed_then_finished
 
-from ft_launcher.report import build_report
-from ft_launcher.timeline import build_figure
+from ft_launcher.observe.report import build_report
+from ft_launcher.observe.timeline import build_figure
 
 FT_REPORT = str(Path(sys.executable).parent / "ft_report")
 
@@ -128,7 +128,7 @@ def test_html_timeline_is_self_contained(tmp_path: Path):
 def test_html_without_plotly_says_which_extra_to_install(tmp_path: Path):
     run = write_run(tmp_path / "run", killed_then_finished())
     code = ("import sys; sys.modules['plotly'] = None; "
-            "from ft_launcher.report import main; main()")
+            "from ft_launcher.observe.report import main; main()")
     res = subprocess.run([sys.executable, "-c", code, str(run), "--html",
                           str(tmp_path / "t.html")], capture_output=True, text=True, timeout=60)
     assert res.returncode != 0 and "Traceback" not in res.stderr

@@ -26,7 +26,7 @@ from ft_agent.stop_fence import (
     StopFence,
     threshold_from_env,
 )
-from ft_launcher.rendezvous import RendezvousTimings
+from ft_launcher.nodes.rendezvous import RendezvousTimings
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -103,8 +103,8 @@ def test_the_handler_asks_and_exits_on_stale_or_no_answer_and_goes_on_when_curre
 def test_the_client_asks_its_monitor_and_gets_its_answer(tmp_path, monkeypatch):
     from ft_agent.client import RankMonitorClient
     from ft_launcher.config import FaultToleranceConfig
-    from ft_launcher.monitor import Monitor, RankSlot
-    from ft_launcher.timeouts import TimeoutBook
+    from ft_launcher.hang.monitor import Monitor, RankSlot
+    from ft_launcher.hang.timeouts import TimeoutBook
 
     endpoint = f"ipc://{tmp_path}/m.sock"
     events: list[tuple[str, dict]] = []

@@ -1,4 +1,4 @@
-"""Straggler detector (ft_launcher/straggler.py): synthetic section times, injected clock.
+"""Straggler detector (ft_launcher/stragglers/straggler.py): synthetic section times, fake clock.
 
 The timing rules live here; tests/test_straggler_e2e.py proves the wiring under a real
 launcher. A "step" is one section time per rank, then one evaluate(), as the supervisor does.
@@ -13,7 +13,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ft_launcher.straggler import CLEARED, DETECTED, StragglerDetector, scores, speed_table
+from ft_launcher.stragglers.straggler import (
+    CLEARED,
+    DETECTED,
+    StragglerDetector,
+    scores,
+    speed_table,
+)
 
 BASE_S = 0.1
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from launch_helpers import ROOT, SCRIPTS, events, launcher_cmd, named, summary
 
-from ft_launcher.straggler import speed_table
+from ft_launcher.stragglers.straggler import speed_table
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -138,7 +138,7 @@ def test_a_slow_rank_of_2_is_named_within_80_steps(run_dir: Path, tmp_path: Path
                       until=detected_then(5, out, 1), bound_s=120)
     check_named_soon_after_onset(run_dir, out, proc, evs, 2, window=10, clean_steps=10)
     # ft_report's table of relative speeds marks the straggler.
-    from ft_launcher.report import build_report
+    from ft_launcher.observe.report import build_report
 
     rows = build_report(run_dir)["speeds"]["rows"]
     assert {r["rank"] for r in rows if r["straggler"]} == {1}, rows

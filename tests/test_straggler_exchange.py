@@ -1,4 +1,4 @@
-"""Straggler medians shared between launchers (ft_launcher/straggler_exchange.py).
+"""Straggler medians shared between launchers (ft_launcher/stragglers/straggler_exchange.py).
 
 The decoder is total on untrusted bytes (hypothesis); the exchange runs against a real
 torch TCPStore (what the c10d rendezvous hosts), with an injected clock for its rate limit.
@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ft_launcher.straggler import DETECTED, StragglerDetector
-from ft_launcher.straggler_exchange import (
+from ft_launcher.stragglers.straggler import DETECTED, StragglerDetector
+from ft_launcher.stragglers.straggler_exchange import (
     KEY_PREFIX,
     MAX_BYTES,
     Exchange,

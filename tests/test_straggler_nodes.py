@@ -1,7 +1,7 @@
 """Stragglers across nodes: two real launchers (one rank each) share a c10d rendezvous on
 loopback; node b's rank is slowed (``rank_slow``), and node b's own launcher names it by
 comparing with node a's rank, whose medians it reads from the rendezvous store
-(ft_launcher/straggler_exchange.py). Slow tier: two launchers and their gloo ranks.
+(ft_launcher/stragglers/straggler_exchange.py). Slow tier: two launchers and their gloo ranks.
 
 Like the single-node end-to-end cases (test_straggler_e2e.py), the victim is slowed 3x and
 reported above 2.0: on 2 shared cores scheduling alone makes one rank up to ~1.7x the other

@@ -17,15 +17,15 @@ from typing import Any
 
 import pytest
 
-from ft_launcher import hang
 from ft_launcher.config import FaultToleranceConfig, LaunchConfig
-from ft_launcher.liveness import HangVerdict
-from ft_launcher.rendezvous import RoundInfo, RoundView, Standing
+from ft_launcher.hang import response as hang
+from ft_launcher.hang.liveness import HangVerdict
+from ft_launcher.nodes.rendezvous import RoundInfo, RoundView, Standing
+from ft_launcher.process.workers import Worker, WorkerSpec
 from ft_launcher.rundir import read_events
 from ft_launcher.signals import SignalBox
 from ft_launcher.supervisor import Parts, Supervisor
 from ft_launcher.watch import IDLE_WAKE_S, MESSAGE_BATCH_S, WakeInputs, must_poll, next_wake
-from ft_launcher.workers import Worker, WorkerSpec
 
 T0_WALL = 1_700_000_000.0
 

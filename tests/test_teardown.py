@@ -21,8 +21,8 @@ import psutil
 import pytest
 
 from ft_launcher import supervisor
-from ft_launcher.guardian import Guardian
-from ft_launcher.workers import STOP_POLL_S, Worker, WorkerGroup, WorkerSpec
+from ft_launcher.process.guardian import Guardian
+from ft_launcher.process.workers import STOP_POLL_S, Worker, WorkerGroup, WorkerSpec
 
 T0 = 1000.0  # the fake clock at the stop signal
 FAKE_PID = 99_000_000  # above any pid_max: a signal to it could reach no real process

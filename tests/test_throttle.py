@@ -1,4 +1,4 @@
-"""SIGSTOP/SIGCONT duty-cycle throttle (ft_launcher/throttle.py) on real processes.
+"""SIGSTOP/SIGCONT duty-cycle throttle (ft_launcher/stragglers/throttle.py) on real processes.
 
 The arithmetic is exact; the throughput of a throttled busy loop is measured against an
 unthrottled one on this (noisy, 2-core) machine, so its bounds are generous.
@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from ft_launcher import faults
 from ft_launcher.config import ConfigError
-from ft_launcher.throttle import (
+from ft_launcher.stragglers.throttle import (
     CpuBudget,
     ProcessCpu,
     Throttle,

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from test_ledger import killed_then_finished
 
-from ft_launcher.timeline import SKIPPED
+from ft_launcher.observe.timeline import SKIPPED
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome")
 

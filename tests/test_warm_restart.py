@@ -29,8 +29,8 @@ from launch_helpers import (
     wait_for,
 )
 
-from ft_launcher.standby_process import PythonEntry, encode_record
-from ft_launcher.worker_side import activation
+from ft_launcher.warm.standby_process import PythonEntry, encode_record
+from ft_launcher.warm.worker_side import activation
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -463,7 +463,7 @@ def test_the_first_cycle_waits_only_for_a_zygote_expected_safe(tmp_path, monkeyp
     launcher sets it for several local ranks): the first cycle does not wait for a zygote
     that is bound to fall back, which then imports at idle priority as before."""
     from ft_launcher.config import FaultToleranceConfig, LaunchConfig
-    from ft_launcher.standby_pool import StandbyPool
+    from ft_launcher.warm.standby_pool import StandbyPool
 
     script = tmp_path / "train.py"
     script.write_text("pass\n")
@@ -510,7 +510,7 @@ class _FakeClock:
 def test_the_first_cycle_wait_is_bounded_and_ends_on_a_signal():
     """A zygote stuck in its imports holds the first cycle exactly the limit (then its ranks
     start cold); a stop signal ends the wait at the next look; ready standbys end it at once."""
-    from ft_launcher.standby_pool import FirstCycleWait, await_first_cycle
+    from ft_launcher.warm.standby_pool import FirstCycleWait, await_first_cycle
 
     clock = _FakeClock()
     wait = await_first_cycle(lambda: True, clock.pause, lambda: None, 60.0, clock)
@@ -604,16 +604,19 @@ def test_activation_record_round_trip():
 
 def test_standby_worker_imports_nothing_heavy():
     """What the standby adds to a fresh interpreter's sys.modules is only itself."""
-    code = ("import sys; before = set(sys.modules); import ft_launcher.worker_side.activation; "
+    code = ("import sys; before = set(sys.modules); "
+            "import ft_launcher.warm.worker_side.activation; "
             "print(','.join(sorted(set(sys.modules) - before)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=ROOT, timeout=30, check=True).stdout
-    assert out.strip() == "ft_launcher,ft_launcher.worker_side,ft_launcher.worker_side.activation"
+    assert out.strip().split(",") == [
+        "ft_launcher", "ft_launcher.warm", "ft_launcher.warm.worker_side",
+        "ft_launcher.warm.worker_side.activation"]
 
 
 ADOPTION = '''
 import os, time
-from ft_launcher.standby_process import ChildProcess, become_subreaper, reap_orphans
+from ft_launcher.warm.standby_process import ChildProcess, become_subreaper, reap_orphans
 
 assert become_subreaper()
 PARENT = os.getpid()
@@ -673,8 +676,8 @@ def test_take_store_hands_over_a_listening_tcpstore_per_cycle(tmp_path):
     """The zygote keeps a spare TCPStore host; take_store() hands it over (a real TCPStore
     client connects at once), asks for the next, and ends the previous cycle's."""
     from ft_launcher.config import FaultToleranceConfig, LaunchConfig
-    from ft_launcher.standby_pool import StandbyPool
-    from ft_launcher.standby_process import parent_of
+    from ft_launcher.warm.standby_pool import StandbyPool
+    from ft_launcher.warm.standby_process import parent_of
 
     script = tmp_path / "train.py"
     script.write_text("pass\n")
@@ -736,7 +739,7 @@ def test_a_cold_restart_uses_a_cycle_store_that_listens_before_the_workers(tmp_p
 
 def test_no_agent_store_no_zygote(tmp_path):
     from ft_launcher.config import FaultToleranceConfig, LaunchConfig
-    from ft_launcher.standby_pool import StandbyPool
+    from ft_launcher.warm.standby_pool import StandbyPool
 
     script = tmp_path / "train.py"
     script.write_text("pass\n")

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from ft_launcher.policy import JobState
-from ft_launcher.worker_env import CycleEnv, listed_gpus, rotated_gpus, visible_gpus, worker_env
+from ft_launcher.process.worker_env import (
+    CycleEnv,
+    listed_gpus,
+    rotated_gpus,
+    visible_gpus,
+    worker_env,
+)
 
 
 def _cycle(**kw) -> CycleEnv:

@@ -14,7 +14,7 @@ import subprocess
 
 import pytest
 
-from ft_launcher.worker_side.activation import gpu_files
+from ft_launcher.warm.worker_side.activation import gpu_files
 
 NO_CUDA = "no CUDA device"
 

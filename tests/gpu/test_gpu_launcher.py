@@ -40,7 +40,7 @@ from launch_helpers import (
     wait_for,
 )
 
-from ft_launcher import nccl_trace
+from ft_launcher.hang import nccl_trace
 
 require_cuda()
 
@@ -274,7 +274,7 @@ def hang_job(tmp_path_factory):
     """One NCCL rank spins in a CUDA kernel at step 5 of cycle 0, with the flight recorder on.
 
     While it hangs (before the launcher's verdict) the test itself asks for the flight
-    recorder's dump and collects it with ft_launcher.nccl_trace, to prove torch writes where
+    recorder's dump and collects it with ft_launcher.hang.nccl_trace, to prove torch writes where
     that module looks; the launcher's own collection is checked separately.
     """
     run_dir = tmp_path_factory.mktemp("hang") / "run"
@@ -358,7 +358,7 @@ def test_launcher_collects_the_nccl_trace_next_to_the_python_stacks(hang_job):
     path = hang_job.run_dir / "stacks" / "cycle_0_rank_0.nccl_trace"
     assert path.exists(), (
         "no flight-recorder dump in stacks/: the supervisor does not call "
-        "ft_launcher.nccl_trace (request_dumps / collect_traces) on a hang yet; found "
+        "ft_launcher.hang.nccl_trace (request_dumps / collect_traces) on a hang yet; found "
         f"{sorted(p.name for p in (hang_job.run_dir / 'stacks').iterdir())}")
     assert _is_flight_recorder_dump(path.read_bytes())
 

@@ -1,4 +1,4 @@
-"""ft_launcher.nccl_trace on CPU: the file side of collecting NCCL flight-recorder dumps.
+"""ft_launcher.hang.nccl_trace on CPU: the file side of collecting NCCL flight-recorder dumps.
 
 Real files, FIFOs and symbolic links in a temporary directory stand in for what torch's NCCL
 heartbeat monitor creates (it needs a GPU); the GPU run in test_gpu_launcher.py checks that
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from ft_launcher import nccl_trace
-from ft_launcher.nccl_trace import TraceSettings, collect_traces, request_dumps, worker_env
+from ft_launcher.hang import nccl_trace
+from ft_launcher.hang.nccl_trace import TraceSettings, collect_traces, request_dumps, worker_env
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from ft_launcher.health import OUTPUT_LIMIT, check_gpus, count_gpus, run_health_checks
+from ft_launcher.nodes.health import OUTPUT_LIMIT, check_gpus, count_gpus, run_health_checks
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from datetime import timedelta
 import pytest
 
 from ft_launcher.config import ConfigError
-from ft_launcher.rendezvous import (
+from ft_launcher.nodes.rendezvous import (
     DynamicRendezvous,
     RendezvousClosed,
     RendezvousLost,
@@ -244,7 +244,7 @@ def test_an_interrupt_while_waiting_as_a_spare_gets_through():
 
 
 def test_rendezvous_mistakes_name_the_option():
-    from ft_launcher.rendezvous import RendezvousError
+    from ft_launcher.nodes.rendezvous import RendezvousError
 
     with pytest.raises(ConfigError, match="--rdzv-endpoint: required with --rdzv-backend etcd"):
         DynamicRendezvous("", "x", 1, 2, {}, None, backend="etcd-v2")

@@ -1,7 +1,7 @@
 """The goodput ledger's answers: a finished or running cycle cut into phases, and the sums
 over attempts (see ``ledger.py`` for the phases and what they mean).
 
-Pure functions of the marks a :class:`~ft_launcher.ledger.Ledger` collected. Each cycle's
+Pure functions of the marks a :class:`~ft_launcher.observe.ledger.Ledger` collected. Each cycle's
 figures are a typed :class:`CycleSummary`; ``to_dict`` gives the JSON-ready row that
 ``summary.json``, ``ft_report``, the metrics and the timeline read (its keys and their
 order are part of the run directory's format).
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ft_launcher.ledger import _Attempt, _Cycle
+    from ft_launcher.observe.ledger import _Attempt, _Cycle
 
 PHASES = ("rendezvous", "spawn", "productive", "work_lost", "detection", "teardown", "other")
 START_UP = "start-up and shutdown"

@@ -78,8 +78,9 @@ from pathlib import Path
 from typing import Any
 
 from ft_launcher.config import LaunchConfig
-from ft_launcher.output import Sink, open_log
-from ft_launcher.standby_process import (
+from ft_launcher.process.output import Sink, open_log
+from ft_launcher.process.workers import Worker, WorkerSpec
+from ft_launcher.warm.standby_process import (
     ChildProcess,
     PythonEntry,
     Standby,
@@ -89,8 +90,7 @@ from ft_launcher.standby_process import (
     reap_orphans,
     spawn_standby,
 )
-from ft_launcher.workers import Worker, WorkerSpec
-from ft_launcher.zygote_link import StoreHosts, Zygote, ZygoteSide
+from ft_launcher.warm.zygote_link import StoreHosts, Zygote, ZygoteSide
 
 log = logging.getLogger("ft_launcher")
 

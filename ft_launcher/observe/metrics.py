@@ -1,7 +1,7 @@
 """Prometheus metrics of the launcher (``--ft-metrics-port``), with ``prometheus_client``.
 
 The supervisor feeds every event record to :meth:`MetricsExporter.observe` (the exporter
-keeps its own :class:`~ft_launcher.ledger.Ledger`) and hands over a callable that returns
+keeps its own :class:`~ft_launcher.observe.ledger.Ledger`) and hands over a callable that returns
 each rank's seconds since its last heartbeat; figures that change with time (heartbeat ages,
 goodput so far) are computed when Prometheus scrapes. Every metric name begins with
 ``ft_``. A private registry keeps them apart from anything else in the process.
@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ft_launcher.extras import import_extra
-from ft_launcher.ledger import Ledger, well_formed
+from ft_launcher.observe.ledger import Ledger, well_formed
 
 log = logging.getLogger("ft_launcher")
 

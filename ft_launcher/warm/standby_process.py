@@ -18,12 +18,12 @@ from typing import IO
 
 import psutil
 
-from ft_launcher.output import LineHook, OutputPump, Sink, open_log
-from ft_launcher.workers import GUARDIAN, spawn_process
+from ft_launcher.process.output import LineHook, OutputPump, Sink, open_log
+from ft_launcher.process.workers import GUARDIAN, spawn_process
 
 log = logging.getLogger("ft_launcher")
 
-BOOTSTRAP = "from ft_launcher.worker_side.activation import main; main()"
+BOOTSTRAP = "from ft_launcher.warm.worker_side.activation import main; main()"
 _MB = 1024 * 1024
 _PR_SET_CHILD_SUBREAPER = 36
 

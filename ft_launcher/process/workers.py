@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ft_launcher.guardian import Guardian
-from ft_launcher.output import OutputPump, Sink, open_log
+from ft_launcher.process.guardian import Guardian
+from ft_launcher.process.output import OutputPump, Sink, open_log
 
 log = logging.getLogger("ft_launcher")
 

@@ -38,9 +38,9 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from ft_agent import protocol
-from ft_launcher.liveness import HangVerdict, Liveness
-from ft_launcher.stacks import STACK_SIGNAL
-from ft_launcher.timeouts import (
+from ft_launcher.hang.liveness import HangVerdict, Liveness
+from ft_launcher.hang.stacks import STACK_SIGNAL
+from ft_launcher.hang.timeouts import (
     TIMEOUT_HEARTBEAT,
     TIMEOUT_INITIAL,
     TIMEOUT_OUT_OF_SECTION,

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ft_launcher.output import OutputPump, Sink, open_log
-from ft_launcher.standby_process import (
+from ft_launcher.process.output import OutputPump, Sink, open_log
+from ft_launcher.process.workers import GUARDIAN, spawn_process
+from ft_launcher.warm.standby_process import (
     ChildProcess,
     PythonEntry,
     Standby,
@@ -27,11 +28,10 @@ from ft_launcher.standby_process import (
     parent_of,
     standby_sink,
 )
-from ft_launcher.workers import GUARDIAN, spawn_process
 
 log = logging.getLogger("ft_launcher")
 
-ZYGOTE_BOOTSTRAP = "from ft_launcher.worker_side.zygote import main; main()"
+ZYGOTE_BOOTSTRAP = "from ft_launcher.warm.worker_side.zygote import main; main()"
 
 
 @dataclass

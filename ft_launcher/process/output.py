@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from typing import IO
 
-from ft_launcher.reserve import RECORD, NoRoom
+from ft_launcher.process.reserve import RECORD, NoRoom
 
 log = logging.getLogger("ft_launcher")
 

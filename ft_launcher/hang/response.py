@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from ft_launcher import blame, nccl_trace, stacks
-from ft_launcher.liveness import HangVerdict
-from ft_launcher.workers import Worker, WorkerGroup
+from ft_launcher.hang import blame, nccl_trace, stacks
+from ft_launcher.hang.liveness import HangVerdict
+from ft_launcher.process.workers import Worker, WorkerGroup
 
 
 class HangFacts(Protocol):

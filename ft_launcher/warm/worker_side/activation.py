@@ -1,12 +1,12 @@
 """Runs inside a warm-restart standby: wait for an activation record, then become a worker.
 
-A standby comes to life in one of two ways (``ft_launcher.standby_pool`` decides):
+A standby comes to life in one of two ways (``ft_launcher.warm.standby_pool`` decides):
 
 - forked by the zygote (``zygote.py``), which imported the ``--ft-preload`` modules once;
   the zygote calls ``serve`` in the new process;
 - spawned by the launcher when forking is not safe, as
 
-      python -u -c "from ft_launcher.worker_side.activation import main; main()" \\
+      python -u -c "from ft_launcher.warm.worker_side.activation import main; main()" \\
           NONCE RUN_DIR SYS_PATH0 PRELOAD
 
   with the interpreter and flags of a cold worker, in its own session; ``main`` imports the
@@ -201,10 +201,12 @@ def _script_traceback(tb, main_globals: dict):
 def _forget_modules(extra: set[str]) -> None:
     """Take this package (and what the zygote imported after the preloads) out of
     ``sys.modules``, so the script finds only a fresh interpreter's modules and the preloads."""
-    for name in [m for m in sys.modules if m in extra or m.startswith("ft_launcher.worker_side")]:
+    side = "ft_launcher.warm.worker_side"
+    for name in [m for m in sys.modules if m in extra or m.startswith(side)]:
         sys.modules.pop(name, None)
-    if not any(m.startswith("ft_launcher.") for m in sys.modules):
-        sys.modules.pop("ft_launcher", None)
+    for package in ("ft_launcher.warm", "ft_launcher"):  # the parents, once nothing is under them
+        if not any(m.startswith(package + ".") for m in sys.modules):
+            sys.modules.pop(package, None)
 
 
 def _become_worker(nonce: str, fields: list[bytes], handlers: dict[int, object],

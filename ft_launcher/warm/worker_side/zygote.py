@@ -1,8 +1,8 @@
 """Runs inside the warm-restart zygote: import the preloads once, then fork standbys.
 
-The launcher (``ft_launcher.zygote_link``) starts this at its own start as
+The launcher (``ft_launcher.warm.zygote_link``) starts this at its own start as
 
-    python -u -c "from ft_launcher.worker_side.zygote import main; main()" \\
+    python -u -c "from ft_launcher.warm.worker_side.zygote import main; main()" \\
         NONCE RUN_DIR SYS_PATH0 PRELOAD LAUNCHER_PID PRIORITY
 
 with the interpreter and flags of a cold worker, in its own session, PDEATHSIG set (it dies
@@ -35,7 +35,7 @@ import os
 import sys
 import time
 
-from ft_launcher.worker_side import activation
+from ft_launcher.warm.worker_side import activation
 
 EXIT_UNSAFE = 4
 _PR_SET_PDEATHSIG = 1

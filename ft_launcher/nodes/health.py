@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ft_launcher.worker_env import listed_gpus
+from ft_launcher.process.worker_env import listed_gpus
 
 log = logging.getLogger("ft_launcher")
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ft_launcher.extras import import_extra
-from ft_launcher.ledger import PHASES, well_formed
+from ft_launcher.observe.ledger import PHASES, well_formed
 
 # Events too frequent or too internal to draw as marks.
 SKIPPED = {"interval_stats", "timeouts_updated"}

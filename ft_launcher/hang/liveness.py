@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ft_agent.protocol import HEARTBEAT_FOLD_S
-from ft_launcher.timeouts import (
+from ft_launcher.hang.timeouts import (
     TIMEOUT_HEARTBEAT,
     TIMEOUT_INITIAL,
     TIMEOUT_OUT_OF_SECTION,

@@ -16,10 +16,10 @@ from typing import Any
 import click
 
 from ft_launcher.extras import MissingExtra
-from ft_launcher.ledger import ledger_of, split_attempts
+from ft_launcher.hang.timeouts import SECTION_PREFIX, SECTIONS_KEY, TIMEOUT_KEYS
+from ft_launcher.observe.ledger import ledger_of, split_attempts
 from ft_launcher.rundir import read_events
-from ft_launcher.straggler import speed_table
-from ft_launcher.timeouts import SECTION_PREFIX, SECTIONS_KEY, TIMEOUT_KEYS
+from ft_launcher.stragglers.straggler import speed_table
 
 
 def _timeouts_in_force(events: list[dict[str, Any]]) -> dict[str, Any]:
@@ -250,7 +250,7 @@ def cli(run_dir: Path, as_json: bool, html_path: Path | None) -> None:
     events = read_events(run_dir)
     report = build_report(run_dir, events)
     if html_path is not None:
-        from ft_launcher import timeline  # plotly is imported only here
+        from ft_launcher.observe import timeline
 
         try:
             timeline.write_html(html_path, events, report)

@@ -32,7 +32,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ft_launcher.ledger_summary import PHASES, START_UP, Knowledge, summarize_run
+from ft_launcher.observe.ledger_summary import PHASES, START_UP, Knowledge, summarize_run
 
 __all__ = ["PHASES", "START_UP", "Ledger", "attempt_number", "ledger_of", "split_attempts",
            "well_formed"]

@@ -1,0 +1,1 @@
+"""Several nodes: the rendezvous backends and node health checks."""

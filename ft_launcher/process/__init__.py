@@ -1,0 +1,2 @@
+"""Worker processes: spawning and signalling, their environment, their output, the disk
+reserve, the guardian."""
