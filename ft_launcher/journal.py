@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ft_launcher.config import FaultToleranceConfig
+from ft_launcher.observe.console import Console
 from ft_launcher.observe.ledger import Ledger
 from ft_launcher.observe.metrics import MetricsExporter
 from ft_launcher.observe.status import StatusTimer, status_line
@@ -25,6 +26,7 @@ class Journal:
         self.cycle = 0
         # What the faults cost, live: the status line and the Prometheus metrics read it.
         self.ledger = Ledger()
+        self.console = Console()
         self.status = StatusTimer(ft.status_interval, time.time())
         self.metrics: MetricsExporter | None = None
         if ft.metrics_port:
@@ -33,8 +35,8 @@ class Journal:
     def event(self, name: str, **fields: Any) -> dict[str, Any]:
         """Record an event in events.jsonl, log it as one line, feed the ledger and metrics."""
         record = self.rundir.event(name, self.cycle, **fields)
-        detail = " ".join(f"{k}={v}" for k, v in fields.items() if k != "timeouts")
-        log.info("cycle %d: %s %s", self.cycle, name, detail)
+        shown, line = self.console.line(self.cycle, name, fields)
+        log.log(logging.INFO if shown else logging.DEBUG, "%s", line)
         self.ledger.add(record)
         if self.metrics is not None:
             self.metrics.observe(record)
