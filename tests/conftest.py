@@ -116,14 +116,20 @@ SLOW_MODULES = {
     "test_frozen.py", "test_straggler_nodes.py",
 }
 SLOW_TESTS = {
-    "test_twenty_crash_restarts_in_a_row", "test_two_launchers_on_loopback_form_one_world_and_"
-    "restart_together", "test_rank_killed_is_recovered_from_the_checkpoint",
+    "test_twenty_crash_restarts_in_a_row", "test_rank_killed_is_recovered_from_the_checkpoint",
     "test_rank_hung_is_detected_and_recovered", "test_random_fault_is_seeded_and_recovered",
     "test_rank_exit_16_rotates_devices_then_requeues_elsewhere",
     "test_calculated_timeouts_survive_a_restart_and_a_new_job",
     "test_python_sleep_hang_stack_names_the_function", "test_no_false_verdict_in_a_long_clean_run",
     "test_ft_report_shows_intervals_and_cycles",
     "test_device_times_reach_the_detector_and_name_the_rank",
+}
+# The fast tier's end-to-end proof of a mechanism whose other cases are slow: warm restart
+# (a zygote forks the standbys and refills them after each restart) and the record's disk
+# reserve. Several nodes, the guardian, health checks and metrics have theirs in fast modules.
+FAST_TESTS = {
+    "test_zygote_forks_standbys_fast_and_refills_them_after_each_restart",
+    "test_a_run_dir_disk_filled_by_a_rank_keeps_room_for_the_record",
 }
 
 
@@ -144,7 +150,8 @@ def _xdist_group(item: pytest.Item) -> str | None:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if item.path.name in SLOW_MODULES or item.originalname in SLOW_TESTS:
+        slow = item.path.name in SLOW_MODULES and item.originalname not in FAST_TESTS
+        if slow or item.originalname in SLOW_TESTS:
             item.add_marker(pytest.mark.slow)
         group = _xdist_group(item)
         if group is not None:
