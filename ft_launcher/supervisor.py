@@ -41,14 +41,14 @@ NO_EXIT_BARRIER = (Outcome.SIGNALED, Outcome.UNHEALTHY, Outcome.RENDEZVOUS_LOST,
 class Parts:
     """The job's collaborators that a test replaces with fakes; None: the real one."""
 
-    monitor: Any = None  # monitor.Monitor
-    rdzv: Any = None  # rendezvous.StaticRendezvous | C10dRendezvous
-    standbys: Any = None  # standby.StandbyPool
+    monitor: Any = None  # hang.monitor.Monitor
+    rdzv: Any = None  # nodes.rendezvous.StaticRendezvous | C10dRendezvous
+    standbys: Any = None  # warm.standby_pool.StandbyPool
     signals: SignalBox | None = None
     gpus: Callable[[], int] | None = None  # how many GPUs this node has
     clock: Any = None  # watch.Clock
     wait: Any = None  # watch.Wait: the watch loop's sleep
-    new_group: Callable[..., Any] | None = None  # workers.WorkerGroup
+    new_group: Callable[..., Any] | None = None  # process.workers.WorkerGroup
     handles_signal: Callable[[int, int], bool] | None = None
 
 
