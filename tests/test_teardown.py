@@ -1,7 +1,7 @@
 """How long a teardown takes: the rules on a fake clock, the last steps with real processes.
 
 The fake-clock cases drive the real ``WorkerGroup.stop`` (workers.py) with stand-in processes
-and the real rule that names a rank ignoring the stop signal (``Supervisor._ignoring_since``
+and the real rule that names a rank ignoring the stop signal (``cycle.ignoring_since``
 with ``IGNORE_GRACE_S``), so each bound below is the code's, not a loaded machine's. The
 real-process cases prove the steps a fake cannot: a SIGSTOPped process acts on SIGCONT +
 SIGTERM at once, and the guardian kills the groups it holds as soon as its pipe closes.
@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
-from ft_launcher import supervisor
+from ft_launcher import cycle
 from ft_launcher.process.guardian import Guardian
 from ft_launcher.process.workers import STOP_POLL_S, Worker, WorkerGroup, WorkerSpec
 
@@ -96,8 +96,9 @@ class Activity:
     def __init__(self, busy: dict[int, float | None]) -> None:
         self.busy = busy  # rank -> heartbeat interval, None = quiet after the signal
         self.last = dict.fromkeys(busy, T0 - 0.01)
-        self.ranks = {r: SimpleNamespace(floor=lambda r=r: self.last[r]) for r in busy}
-        self.liveness = self
+
+    def last_activity(self) -> dict[int, float]:
+        return dict(self.last)
 
     def drain(self, now: float) -> None:
         for rank, interval in self.busy.items():
@@ -106,11 +107,9 @@ class Activity:
                 self.last[rank] = max(self.last[rank], T0 + beats * interval)
 
 
-def _stop(monkeypatch, clock: Clock, group: FakeGroup, activity: Activity, grace: float):
-    # The supervisor's own rule, on the fake clock (only its clock is replaced).
-    monkeypatch.setattr(supervisor, "time", SimpleNamespace(monotonic=clock))
-    ignoring = supervisor.Supervisor._ignoring_since(SimpleNamespace(monitor=activity),
-                                                      clock())
+def _stop(clock: Clock, group: FakeGroup, activity: Activity, grace: float):
+    # The cycle's own rule, on the fake clock.
+    ignoring = cycle.ignoring_since(activity, SimpleNamespace(monotonic=clock), clock())
     group.stop(grace, signal.SIGTERM, ignoring)
 
 
@@ -119,30 +118,29 @@ def _first(proc: FakeProc, signum: int) -> float:
 
 
 @pytest.mark.parametrize("interval", [0.05, 0.2, 0.4])
-def test_a_rank_that_traps_sigterm_and_carries_on_is_killed_half_a_second_after(
-        monkeypatch, interval):
+def test_a_rank_that_traps_sigterm_and_carries_on_is_killed_half_a_second_after(interval):
     """Killed at the first check after IGNORE_GRACE_S at which it has been heard from since
     then: within IGNORE_GRACE_S + one heartbeat interval + one poll, under 1 s for any
     heartbeat interval up to 0.45 s; the --workers-stop-timeout of 30 s is not waited."""
     clock = Clock()
     trapper = FakeProc(FAKE_PID, clock, traps=True)
     group = _group(clock, trapper)
-    _stop(monkeypatch, clock, group, Activity({0: interval}), grace=30.0)
+    _stop(clock, group, Activity({0: interval}), grace=30.0)
     killed = _first(trapper, signal.SIGKILL)
-    assert supervisor.IGNORE_GRACE_S == 0.5
+    assert cycle.IGNORE_GRACE_S == 0.5
     assert 0.5 < killed <= 0.5 + interval + STOP_POLL_S + 1e-9, killed
     assert killed < 1.0
     assert clock() - T0 == pytest.approx(killed, abs=2 * STOP_POLL_S)  # the teardown's end
 
 
-def test_a_quiet_rank_keeps_the_whole_grace_and_a_busy_one_does_not(monkeypatch):
+def test_a_quiet_rank_keeps_the_whole_grace_and_a_busy_one_does_not():
     """A rank that goes quiet after SIGTERM (saving a checkpoint) is never taken for one
     that ignores it: it exits by itself at 3 s of a 30 s grace; its busy peer dies at 0.5 s."""
     clock = Clock()
     busy = FakeProc(FAKE_PID, clock, traps=True)
     saver = FakeProc(FAKE_PID + 1, clock, traps=True, exits_at=T0 + 3.0)
     group = _group(clock, busy, saver)
-    _stop(monkeypatch, clock, group, Activity({0: 0.05, 1: None}), grace=30.0)
+    _stop(clock, group, Activity({0: 0.05, 1: None}), grace=30.0)
     assert _first(busy, signal.SIGKILL) < 0.6
     assert group.workers[1].exit_code == 0  # its own exit, not the teardown's SIGKILL
     assert _first(saver, signal.SIGKILL) >= 3.0  # only kill_all's sweep of its group
