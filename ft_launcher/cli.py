@@ -129,7 +129,8 @@ FT_OPTIONS = [
      "rank_slow, keys base_delay, rand_delay, rank, cycles (N, A-B, all), seed, code "
      "(rank_exit), factor and duration (rank_slow: 1/factor speed for duration s). "
      "base_delay counts from the moment every rank is training (first heartbeat, section "
-     "or progress report); for a script without ft_agent, from the spawn."),
+     "or progress report); for a script that never talks to ft_agent, from the spawn, "
+     "imports included."),
     ("--ft-skip-bad-iterations", "skip_bad_iterations",
      "On a validation failure that reproduces on other hardware, restart and skip it."),
     ("--ft-max-no-progress-cycles", "max_no_progress_cycles",

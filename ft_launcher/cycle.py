@@ -311,6 +311,8 @@ class Cycle:
         """Stop the workers, read what they said last, close the cycle's books."""
         d = self.d
         self.stop_workers(result)
+        faults.report_not_fired(self.armed, self.group.workers, d.clock.time(), self.number,
+                                d.events)
         d.monitor.drain(d.clock.monotonic())  # reports sent while the group was stopping
         late = self.check_controls() if result.outcome is Outcome.FAILED else None
         if late is not None:  # asked for just before exiting, read after the exit
@@ -363,9 +365,7 @@ class Cycle:
 
     def wake_inputs(self, state: WatchState) -> WakeInputs:
         d, armed = self.d, self.armed
-        fault_due = None
-        if armed is not None and armed.by_launcher and not armed.fired:
-            fault_due = armed.at if armed.at is not None else armed.no_agent_due(state.spawned_at)
+        fault_due = None if armed is None else armed.due(state.spawned_at)
         polls = must_poll(d.rdzv.polls_peers, self.exchange is not None,
                           d.standbys.needs_ticks, d.signals.any_owed())
         return WakeInputs(now=d.clock.monotonic(), wall=d.clock.time(),

@@ -88,7 +88,12 @@ EVENTS: dict[str, EventDoc] = {
     # -- faults and hangs ---------------------------------------------------------------
     "fault_injected": EventDoc(
         "faults", "a simulated fault was carried out",
-        "rank, fault_type, pid, at, delay (or source for a fault carried out by ft_agent)"),
+        "rank, fault_type, pid, at, delay, counted_from (spawn or training; source for a "
+        "fault carried out by ft_agent), factor, duration, period_s (rank_slow)"),
+    "fault_not_fired": EventDoc(
+        "faults", "a cycle ended (and with it, for the last one, the job) with its armed "
+        "simulated fault never fired",
+        "fault_type, rank, delay, counted_from, cycle_s (from the spawn to the cycle's end)"),
     "hang_detected": EventDoc(
         "faults", "a rank was judged hung",
         "rank, timeout_kind, timeout_s, silence_s, expired_rank, expired_silence_s, "

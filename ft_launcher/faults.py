@@ -11,11 +11,15 @@ until the cycle ends, or for ``duration`` seconds.
 
 from __future__ import annotations
 
+import ast
+import logging
 import math
 import signal
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ft_agent import simulated_fault
@@ -23,7 +27,9 @@ from ft_launcher.config import ConfigError
 from ft_launcher.stragglers.throttle import Throttle
 
 if TYPE_CHECKING:
-    from ft_launcher.process.workers import WorkerGroup
+    from ft_launcher.process.workers import Worker, WorkerGroup
+
+log = logging.getLogger("ft_launcher")
 
 FAULT_TYPES = ("rank_killed", "rank_hung", "random", "rank_exit", "rank_slow")
 KEYS = ("base_delay", "rand_delay", "rank", "cycles", "seed", "code")
@@ -43,19 +49,20 @@ class FaultPlan:
     code: int = 1
     factor: float | None = None  # rank_slow: run at 1/factor of the speed
     duration: float | None = None  # rank_slow: seconds; None: until the cycle ends
+    imports_agent: bool = False  # the training script's source imports ft_agent
 
     def fires_in(self, cycle: int) -> bool:
         return self.cycles is None or cycle in self.cycles
 
 
-# A script that has not connected to the monitor this long after its spawn is taken to not
-# use ft_agent (see ArmedFault.start_clock).
-NO_AGENT_AFTER_S = 30.0
+# A script whose source imports ft_agent but that has not said hello this long after its
+# spawn is taken to not talk to the launcher after all (see ArmedFault.start_clock).
+NO_HELLO_AFTER_S = 30.0
 
 
 @dataclass
 class ArmedFault:
-    """The fault of one cycle: what, to whom, and how long after the training started."""
+    """The fault of one cycle: what, to whom, and how long after its clock's start."""
 
     fault_type: str  # resolved: never "random"
     rank: int
@@ -65,29 +72,58 @@ class ArmedFault:
     factor: float | None = None  # rank_slow
     duration: float | None = None  # rank_slow
     at: float | None = None  # wall clock, once the delay's start is known
+    imports_agent: bool = False  # the training script's source imports ft_agent
+    agent: bool = False  # a rank of the cycle said hello (sticky)
 
     @property
     def by_launcher(self) -> bool:
         """Delivered from outside (signals); a rank_exit is carried out by the rank."""
         return self.fault_type != "rank_exit"
 
+    @property
+    def counted_from(self) -> str:
+        """Where ``delay`` counts from: ``spawn``, ``training`` or (rank_exit, counted in
+        the rank by ft_agent) ``connection``."""
+        if not self.by_launcher:
+            return "connection"
+        return "training" if self.agent else "spawn"
+
     def start_clock(self, spawned_at: float, training_at: float | None, connected: bool,
                     now: float) -> None:
-        """Fix ``at`` once its start is known (wall clock): when every rank is training
-        (its first heartbeat, section or progress report). A script that never uses
-        ft_agent has no such moment; the launcher concludes that no rank will connect only
-        ``NO_AGENT_AFTER_S`` after the spawn (imports alone can take many seconds), and the
-        delay then counts from the spawn."""
-        if self.at is not None:
-            return
-        if training_at is not None:
-            self.at = training_at + self.delay
-        elif not connected and now >= self.no_agent_due(spawned_at):
-            self.at = self.no_agent_due(spawned_at)
+        """Fix ``at`` (wall clock) from what is known now.
 
-    def no_agent_due(self, spawned_at: float) -> float:
-        """When the fault fires for a script that never connects to the monitor."""
-        return spawned_at + max(self.delay, NO_AGENT_AFTER_S)
+        Once a rank said hello the delay counts from the moment every rank is training
+        (its first heartbeat, section or progress report): a script that uses ft_agent is
+        not hit during its process-group setup. Before that:
+
+        - a script whose source imports ft_agent is waited for (its imports, torch's
+          among them, may take many seconds before its hello); one that has not said hello
+          ``NO_HELLO_AFTER_S`` after the spawn is hit then, or ``delay`` after the spawn
+          when that is later;
+        - any other script counts from the spawn, imports included: it gets its fault
+          ``delay`` after it started, unless a hello comes first and re-bases the clock.
+        """
+        if connected and not self.agent:
+            self.agent, self.at = True, None
+        if self.agent:
+            if self.at is None and training_at is not None:
+                self.at = training_at + self.delay
+        elif not self.imports_agent:
+            self.at = spawned_at + self.delay
+        elif now >= self.no_hello_due(spawned_at):
+            self.at = self.no_hello_due(spawned_at)
+
+    def no_hello_due(self, spawned_at: float) -> float:
+        """When the fault fires for a script importing ft_agent that never says hello."""
+        return spawned_at + max(self.delay, NO_HELLO_AFTER_S)
+
+    def due(self, spawned_at: float) -> float | None:
+        """When the watch loop must look next for this fault (wall clock), if known."""
+        if self.fired or not self.by_launcher:
+            return None
+        if self.at is None and self.imports_agent and not self.agent:
+            return self.no_hello_due(spawned_at)
+        return self.at
 
     @property
     def signum(self) -> int:
@@ -199,8 +235,8 @@ def arm(plan: FaultPlan, cycle: int, world_size: int, run_id: str) -> ArmedFault
     fault = simulated_fault.draw(seed, cycle, world_size, plan.fault_type, plan.base_delay,
                                  plan.rand_delay, plan.rank)
     fault_type, rank, delay = fault.fault_type, fault.rank, fault.delay
-    return ArmedFault(fault_type, rank, delay, plan.code,
-                      factor=plan.factor, duration=plan.duration)
+    return ArmedFault(fault_type, rank, delay, plan.code, factor=plan.factor,
+                      duration=plan.duration, imports_agent=plan.imports_agent)
 
 
 @dataclass
@@ -239,15 +275,93 @@ def inject(group: WorkerGroup, armed: ArmedFault, cycle: int, events: Callable[.
     record = {"cycle": cycle, "kind": "injected", "fault_type": armed.fault_type,
               "rank": armed.rank}
     events("fault_injected", rank=armed.rank, fault_type=armed.fault_type,
-           pid=victim.pid, at=round(armed.at or time.time(), 6), delay=armed.delay, **extra)
+           pid=victim.pid, at=round(armed.at or time.time(), 6), delay=armed.delay,
+           counted_from=armed.counted_from, **extra)
     return Injected(throttle, record)
 
 
-def plan_for(text: str | None, world_size: int) -> FaultPlan | None:
+def plan_for(text: str | None, world_size: int,
+             entrypoint: Sequence[str] = ()) -> FaultPlan | None:
     """The job's ``--ft-simulated-fault``, parsed and checked against the largest world;
-    None when no fault is asked for."""
+    None when no fault is asked for. ``entrypoint`` (the workers' argv prefix) tells
+    whether the script imports ft_agent."""
     if not text:
         return None
     plan = parse_fault(text)
     validate_world(plan, world_size)
+    plan.imports_agent = entry_imports_agent(entrypoint)
     return plan
+
+
+# The training script is read for its imports only up to this size.
+MAX_SCRIPT_BYTES = 4 * 1024 * 1024
+
+
+def source_imports_agent(source: str) -> bool:
+    """Whether Python source has an ``import ft_agent...``/``from ft_agent... import``
+    statement, at any depth (a function or an ``if`` too)."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return False
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names = [node.module]
+        else:
+            continue
+        if any(name.split(".")[0] == "ft_agent" for name in names):
+            return True
+    return False
+
+
+def entry_imports_agent(entrypoint: Sequence[str]) -> bool:
+    """Whether the workers' script imports ft_agent: ``[python, flags..., script]``, or
+    ``[python, flags..., -m, module]`` for a module found under the working directory. A
+    program run with --no-python, or a module found elsewhere, reads as not importing it."""
+    if len(entrypoint) < 2 or entrypoint[0] != sys.executable:
+        return False
+    target = Path(entrypoint[-1])
+    if len(entrypoint) >= 3 and entrypoint[-2] == "-m":
+        base = Path.cwd().joinpath(*entrypoint[-1].split("."))
+        target = next((c for c in (base.with_suffix(".py"), base / "__main__.py")
+                       if c.is_file()), base)
+    try:
+        with target.open("rb") as f:
+            source = f.read(MAX_SCRIPT_BYTES)
+    except OSError:
+        return False
+    return source_imports_agent(source.decode("utf-8", errors="replace"))
+
+def not_fired(armed: ArmedFault | None, workers: Sequence[Worker],
+              now: float) -> dict[str, Any] | None:
+    """The facts of a cycle's armed fault that never fired (its cycle is over), or None.
+
+    A ``rank_exit`` is carried out by ft_agent in the rank: its victim's exit with the
+    planned code is the fault firing (the agent reports it too, as ``fault_injected``)."""
+    if armed is None or armed.fired or not workers:
+        return None
+    if not armed.by_launcher and any(w.rank == armed.rank and w.exit_code == armed.code
+                                     for w in workers):
+        return None
+    spawned_at = max(w.started_at for w in workers)
+    return {"fault_type": armed.fault_type, "rank": armed.rank, "delay": armed.delay,
+            "counted_from": armed.counted_from,
+            "cycle_s": round(max(0.0, now - spawned_at), 3)}
+
+
+def report_not_fired(armed: ArmedFault | None, workers: Sequence[Worker], now: float,
+                     cycle: int, events: Callable[..., Any]) -> None:
+    """Say so when the cycle ended with its armed fault never fired: ``fault_not_fired``
+    and one warning line."""
+    facts = not_fired(armed, workers, now)
+    if facts is None:
+        return
+    events("fault_not_fired", **facts)
+    why = " (carried out by ft_agent in the rank: a script without it cannot fire it)" \
+        if facts["counted_from"] == "connection" else ""
+    log.warning("cycle %d: simulated fault %s for rank %d never fired: it waited for %g s "
+                "from %s and the cycle ended %.1f s after the spawn%s", cycle,
+                facts["fault_type"], facts["rank"], facts["delay"], facts["counted_from"],
+                facts["cycle_s"], why)

@@ -8,13 +8,24 @@ heartbeating worker (no torch), which is all they need and keeps the file fast.
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from launch_helpers import EXAMPLES, LAUNCHER, ROOT, events, named, run_launcher, summary
+from launch_helpers import (
+    EXAMPLES,
+    LAUNCHER,
+    ROOT,
+    SCRIPTS,
+    events,
+    named,
+    run_launcher,
+    summary,
+)
 
 from ft_launcher import faults
 from ft_launcher.config import ConfigError
@@ -121,26 +132,126 @@ def test_arm_is_the_same_on_every_node_and_seeded():
     assert faults.arm(faults.parse_fault("rank_hung"), 1, 8, "x") is None  # first cycle only
 
 
-def test_the_delay_counts_from_training_or_for_a_script_without_agent_from_spawn():
-    def armed():
-        return faults.arm(faults.parse_fault("rank_killed:base_delay=4,rank=0"), 0, 2, "r")
+def _armed(delay: float = 4, imports_agent: bool = False) -> faults.ArmedFault:
+    plan = faults.parse_fault(f"rank_killed:base_delay={delay:g},rank=0")
+    plan.imports_agent = imports_agent
+    armed = faults.arm(plan, 0, 2, "r")
+    assert armed is not None
+    return armed
 
+
+def test_a_plain_script_counts_from_spawn_until_a_rank_says_hello_then_from_training():
     spawn = 1000.0
-    a = armed()
-    a.start_clock(spawn, None, connected=True, now=spawn + 20)  # imports, then process group
+    quiet = _armed()  # a script that never talks to ft_agent: from the spawn, imports included
+    quiet.start_clock(spawn, None, connected=False, now=spawn + 0.1)
+    assert (quiet.at, quiet.counted_from, quiet.due(spawn)) == (spawn + 4, "spawn", spawn + 4)
+    quiet.start_clock(spawn, None, connected=False, now=spawn + 3)
+    assert quiet.at == spawn + 4, "the same deadline on every pass"
+    a = _armed()
+    a.start_clock(spawn, None, connected=False, now=spawn + 1)  # still importing
+    assert a.at == spawn + 4
+    a.start_clock(spawn, None, connected=True, now=spawn + 2)  # hello: re-based on training
+    assert (a.at, a.agent, a.counted_from, a.due(spawn)) == (None, True, "training", None)
+    a.start_clock(spawn, None, connected=True, now=spawn + 20)  # process-group setup
     assert a.at is None, "a connected rank that is not training yet holds the clock"
     a.start_clock(spawn, spawn + 21, connected=True, now=spawn + 21)
     assert a.at == spawn + 25
     a.start_clock(spawn, spawn + 99, connected=True, now=spawn + 99)
     assert a.at == spawn + 25, "fixed once"
-    quiet = armed()  # a script that never connects: from the spawn, once that is clear
-    quiet.start_clock(spawn, None, connected=False, now=spawn + 8)
-    assert quiet.at is None
-    quiet.start_clock(spawn, None, connected=False, now=spawn + faults.NO_AGENT_AFTER_S)
-    assert quiet.at == spawn + faults.NO_AGENT_AFTER_S
-    late = faults.arm(faults.parse_fault("rank_killed:base_delay=45,rank=0"), 0, 2, "r")
-    late.start_clock(spawn, None, connected=False, now=spawn + 46)
+    a.start_clock(spawn, spawn + 99, connected=False, now=spawn + 99)  # a hello stays said
+    assert (a.at, a.counted_from) == (spawn + 25, "training")
+    late = _armed(45)  # a long delay for a plain script: no floor and no cap
+    late.start_clock(spawn, None, connected=False, now=spawn)
     assert late.at == spawn + 45
+    zero = _armed(0)
+    zero.start_clock(spawn, None, connected=False, now=spawn)
+    assert zero.at == spawn
+    fired = _armed()
+    fired.fired = True
+    assert fired.due(spawn) is None
+
+
+def test_a_script_importing_ft_agent_keeps_the_count_from_training():
+    spawn = 1000.0
+    a = _armed(imports_agent=True)  # its torch import outlasts base_delay: still waited for
+    a.start_clock(spawn, None, connected=False, now=spawn + 8)
+    assert (a.at, a.due(spawn)) == (None, spawn + faults.NO_HELLO_AFTER_S)
+    a.start_clock(spawn, None, connected=True, now=spawn + 9)
+    a.start_clock(spawn, spawn + 12, connected=True, now=spawn + 12)
+    assert (a.at, a.counted_from) == (spawn + 16, "training")
+    mute = _armed(imports_agent=True)  # imports ft_agent but never says hello
+    mute.start_clock(spawn, None, connected=False, now=spawn + faults.NO_HELLO_AFTER_S - 1)
+    assert mute.at is None
+    mute.start_clock(spawn, None, connected=False, now=spawn + faults.NO_HELLO_AFTER_S)
+    assert (mute.at, mute.counted_from) == (spawn + faults.NO_HELLO_AFTER_S, "spawn")
+    long = _armed(45, imports_agent=True)
+    long.start_clock(spawn, None, connected=False, now=spawn + 46)
+    assert long.at == spawn + 45
+
+
+def test_whether_the_script_imports_ft_agent_is_read_from_its_source(tmp_path, monkeypatch):
+    yes = ["import ft_agent", "from ft_agent import RankMonitorClient",
+           "import os, ft_agent.client as c", "from ft_agent.lightning import X",
+           "def main():\n    if True:\n        from ft_agent import RankMonitorClient\n"]
+    no = ["import os", "import ft_agentx", "from . import ft_agent", "s = 'import ft_agent'",
+          "# import ft_agent", "from mypkg.ft_agent import x", "def (:", "\0"]
+    assert all(faults.source_imports_agent(src) for src in yes)
+    assert not any(faults.source_imports_agent(src) for src in no)
+    script = tmp_path / "train.py"
+    script.write_text("import time\nfrom ft_agent import RankMonitorClient\n")
+    plain = tmp_path / "plain.py"
+    plain.write_text("import time\n")
+    py = sys.executable
+    assert faults.entry_imports_agent([py, "-u", str(script)])
+    assert not faults.entry_imports_agent([py, "-u", str(plain)])
+    assert not faults.entry_imports_agent([py, "-u", str(tmp_path / "gone.py")])
+    assert not faults.entry_imports_agent([str(script)]), "--no-python: a program"
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "train.py").write_text(script.read_text())
+    monkeypatch.chdir(tmp_path)
+    assert faults.entry_imports_agent([py, "-u", "-m", "pkg.train"])
+    assert not faults.entry_imports_agent([py, "-u", "-m", "plain_elsewhere"])
+    plan = faults.plan_for("rank_killed:rank=0", 2, [py, "-u", str(script)])
+    assert plan is not None and plan.imports_agent
+    assert faults.arm(plan, 0, 2, "r").imports_agent
+
+
+@dataclass
+class _Exited:
+    rank: int
+    started_at: float
+    exit_code: int | None
+
+
+def test_a_fault_that_never_fired_is_named_with_its_wait_and_the_cycle_length():
+    workers = [_Exited(0, 1000.0, 0), _Exited(1, 1000.5, 0)]
+    armed = _armed(60)
+    armed.start_clock(1000.5, None, connected=False, now=1000.5)
+    assert faults.not_fired(armed, workers, 1003.0) == {
+        "fault_type": "rank_killed", "rank": 0, "delay": 60.0, "counted_from": "spawn",
+        "cycle_s": 2.5}
+    armed.fired = True
+    assert faults.not_fired(armed, workers, 1003.0) is None
+    assert faults.not_fired(None, workers, 1003.0) is None
+    exit_fault = faults.arm(faults.parse_fault("rank_exit:code=16,rank=1"), 0, 2, "r")
+    missed = faults.not_fired(exit_fault, workers, 1003.0)
+    assert missed is not None and missed["counted_from"] == "connection"
+    carried_out = [_Exited(0, 1000.0, -9), _Exited(1, 1000.0, 16)]
+    assert faults.not_fired(exit_fault, carried_out, 1003.0) is None, "its exit is the fault"
+
+
+def test_a_fault_that_never_fired_is_one_event_and_one_warning(caplog):
+    said: list[tuple[str, dict]] = []
+    with caplog.at_level(logging.INFO, logger="ft_launcher"):
+        faults.report_not_fired(_armed(60), [_Exited(0, 1000.0, 0)], 1002.0, 3,
+                                lambda name, **f: said.append((name, f)))
+        faults.report_not_fired(None, [_Exited(0, 1000.0, 0)], 1002.0, 3,
+                                lambda name, **f: said.append((name, f)))
+    assert [name for name, _ in said] == ["fault_not_fired"]
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (logging.WARNING, "cycle 3: simulated fault rank_killed for rank 0 never fired: it "
+                          "waited for 60 s from spawn and the cycle ended 2.0 s after the "
+                          "spawn")]
 
 
 def test_cli_rejects_a_bad_fault_in_one_line(tmp_path: Path):
@@ -294,3 +405,50 @@ def test_rank_exit_17_without_diagnosis_stops(run_dir: Path, worker: str):
     assert (s["exit_code"], s["restarts"], s["diagnoses"]) == (17, 0, [])
     assert s["next_action"] == {**s["next_action"], "requeue": False, "exclude_nodes": []}
     assert "without a diagnosis" in s["reason"]
+
+
+# -- a script that never talks to ft_agent -----------------------------------------------
+
+PLAIN = str(SCRIPTS / "plain_loop.py")
+
+
+def test_a_plain_script_is_hit_base_delay_after_its_spawn_and_restarts(run_dir: Path):
+    proc = run_launcher(run_dir, "--nproc-per-node", "2", "--max-restarts", "1", *FAST_STOP,
+                        "--ft-simulated-fault", "rank_killed:base_delay=3,rank=1",
+                        PLAIN, "60", "1", timeout=90)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    evs = events(run_dir)
+    started = one(evs, "workers_started", cycle=0)
+    injected = one(evs, "fault_injected")
+    assert (injected["cycle"], injected["rank"], injected["counted_from"]) == (0, 1, "spawn")
+    # Counted from the spawn (just before workers_started), imports included; generous
+    # above for a busy machine, where a pass of the watch loop may come late.
+    assert 3.0 - 0.5 <= injected["ts"] - started["ts"] <= 3.0 + 10, (started, injected)
+    assert injected["at"] <= started["ts"] + 3.0
+    died = one(evs, "worker_exited", cycle=0, rank=1)
+    assert died["signal"] == "SIGKILL" and not died["stopped_by_launcher"]
+    assert one(evs, "restart")["ts"] > died["ts"]
+    assert not named(evs, "training_started") and not named(evs, "fault_not_fired")
+    s = summary(run_dir)
+    assert (s["exit_code"], s["restarts"], s["cycles"]) == (0, 1, 2)
+
+
+def test_a_job_that_ends_before_its_fault_fired_says_so(run_dir: Path):
+    proc = run_launcher(run_dir, "--nproc-per-node", "2", "--max-restarts", "1", *FAST_STOP,
+                        "--ft-simulated-fault", "rank_killed:base_delay=60,rank=0",
+                        PLAIN, "2", timeout=90)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    evs = events(run_dir)
+    assert not named(evs, "fault_injected")
+    missed = one(evs, "fault_not_fired")
+    assert missed == {**missed, "cycle": 0, "fault_type": "rank_killed", "rank": 0,
+                      "delay": 60.0, "counted_from": "spawn"}
+    assert 2.0 <= missed["cycle_s"] < 60.0
+    warnings = [line for line in proc.stdout.splitlines() if "never fired" in line]
+    assert len(warnings) == 1, proc.stdout[-3000:]  # a warning: see the test above
+    assert "rank_killed for rank 0" in warnings[0] and "60 s from spawn" in warnings[0]
+    assert summary(run_dir)["exit_code"] == 0
+    report = subprocess.run([str(Path(sys.executable).parent / "ft_report"), str(run_dir)],
+                            capture_output=True, text=True, cwd=ROOT, timeout=60, check=True)
+    line = next(x for x in report.stdout.splitlines() if x.strip().startswith("cycle 0:"))
+    assert "simulated rank_killed rank 0 NOT FIRED (waited for 60.000 s from spawn" in line

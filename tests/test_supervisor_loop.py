@@ -157,7 +157,7 @@ class FakeMonitor:
         return T0_WALL if self.training else None
 
     def any_connected(self) -> bool:
-        return True
+        return self.training  # a script that never trains here never said hello either
 
     def all_connected(self) -> bool:
         return True
@@ -591,6 +591,36 @@ def test_an_injected_fault_fires_at_its_time_and_is_on_record(tmp_path):
     assert (injected["rank"], injected["fault_type"]) == (1, "rank_killed")
     assert injected["at"] == pytest.approx(T0_WALL + h.start + 2.0)
     assert ("kill", 1, signal.SIGKILL) in h.log
+    assert injected["counted_from"] == "training" and not only(events, "fault_not_fired")
+
+
+def test_a_script_that_never_says_hello_is_hit_base_delay_after_its_spawn(tmp_path):
+    h = Harness(tmp_path, max_restarts=1,
+                ft={"simulated_fault": "rank_killed:base_delay=3,rank=1"})
+    h.monitor.training = False  # no hello, no heartbeat: a plain script
+    h.at(3.3, lambda: h.group.exit(1, -signal.SIGKILL) if len(h.groups) == 1 else None)
+    h.at(5.0, lambda: (h.group.exit(0, 0), h.group.exit(1, 0)) if len(h.groups) == 2
+         else None)
+    code, events = h.run()
+    assert code == 0
+    injected = only(events, "fault_injected")[0]
+    spawned = max(w.started_at for w in h.groups[0].workers)
+    assert (injected["counted_from"], injected["at"]) == ("spawn", pytest.approx(spawned + 3))
+    assert ("kill", 1, signal.SIGKILL) in h.log
+    assert only(events, "restart") and not only(events, "fault_not_fired")
+
+
+def test_a_job_that_ends_before_its_fault_says_so_once(tmp_path):
+    h = Harness(tmp_path, ft={"simulated_fault": "rank_killed:base_delay=60,rank=0"})
+    h.monitor.training = False
+    h.at(2.0, lambda: (h.group.exit(0, 0), h.group.exit(1, 0)))
+    code, events = h.run()
+    assert code == 0 and not only(events, "fault_injected")
+    missed = only(events, "fault_not_fired")
+    assert len(missed) == 1 and missed[0] == {
+        **missed[0], "cycle": 0, "fault_type": "rank_killed", "rank": 0, "delay": 60.0,
+        "counted_from": "spawn", "cycle_s": pytest.approx(2.0, abs=0.6)}
+    assert names(events).index("fault_not_fired") < names(events).index("decision")
 
 
 # -- when to wake: a pure function -----------------------------------------------------------

@@ -81,6 +81,7 @@ def cycle_rows(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if failed:
             how = failed.get("signal") or f"exit {failed.get('exit_code')}"
             faults.append(f"rank {failed['rank']} died ({how})")
+        faults += [not_fired_line(e) for e in evs if e["event"] == "fault_not_fired"]
         decision = next((e for e in evs if e["event"] == "decision"), None)
         nxt = cycles.get(n + 1, {}).get("events", [])
         started = next((e for e in nxt if e["event"] == "workers_started"), None)
@@ -97,6 +98,13 @@ def cycle_rows(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "decision": decision.get("reason") if decision else None,
         })
     return rows
+
+
+def not_fired_line(e: dict[str, Any]) -> str:
+    """A simulated fault that never fired, as ft_report's cycle line says it."""
+    return (f"simulated {e.get('fault_type')} rank {e.get('rank')} NOT FIRED (waited for "
+            f"{_fmt(e.get('delay'))} s from {e.get('counted_from')}; the cycle ended "
+            f"{_fmt(e.get('cycle_s'))} s after the spawn)")
 
 
 def build_report(run_dir: Path, events: list[dict[str, Any]] | None = None) -> dict[str, Any]:
