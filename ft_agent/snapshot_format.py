@@ -93,6 +93,8 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class Header:
+    """A slot file's decoded header: the state's structure and where each tensor is."""
+
     iteration: int
     tree: Any
     tensors: tuple[TensorSpec, ...]

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -86,3 +87,21 @@ def processes_of(run_dir: Path) -> list[psutil.Process]:
     return found
 
 
+
+
+def mounted_tmpfs(size: str, mode: str = "0755", prefix: str = "ft_tmpfs_"):
+    """A real tmpfs of ``size`` (root only; else the test is skipped), for a fixture to
+    ``yield from``: unmounted and removed at teardown."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a small tmpfs")
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode={mode}", "tmpfs",
+                          str(path)], capture_output=True, text=True, timeout=30)
+    if res.returncode != 0:
+        path.rmdir()
+        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True, timeout=30)
+        path.rmdir()

@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from launch_helpers import ROOT, SCRIPTS, events, launcher_cmd, named
+from launch_helpers import ROOT, SCRIPTS, events, launcher_cmd, mounted_tmpfs, named
 
 from ft_launcher.rundir import RunDir, RunDirError, read_events
 
@@ -59,33 +59,16 @@ def shared_dir():
     shutil.rmtree(path, ignore_errors=True)
 
 
-def _tmpfs(size: str):
-    """A real tmpfs of ``size`` (root only), unmounted at teardown."""
-    if not IS_ROOT:
-        pytest.skip("needs root to mount a small tmpfs")
-    path = Path(tempfile.mkdtemp(prefix="ft_tmpfs_", dir="/tmp"))
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs",
-                          str(path)], capture_output=True, text=True, timeout=30)
-    if res.returncode != 0:
-        path.rmdir()
-        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], capture_output=True, timeout=30)
-        path.rmdir()
-
-
 @pytest.fixture
 def small_tmpfs():
     """A real 1 MiB tmpfs."""
-    yield from _tmpfs("1m")
+    yield from mounted_tmpfs("1m")
 
 
 @pytest.fixture
 def tmpfs_2m():
     """A real 2 MiB tmpfs."""
-    yield from _tmpfs("2m")
+    yield from mounted_tmpfs("2m")
 
 
 def fill(directory: Path) -> None:

@@ -25,6 +25,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from launch_helpers import mounted_tmpfs
 
 from ft_agent import snapshot_format as fmt
 from ft_agent.snapshot import (
@@ -461,19 +462,7 @@ def test_unsupported_state_is_refused_naming_where(tmp_path: Path, bad, where: s
 @pytest.fixture
 def full_tmpfs():
     """A real 1 MiB tmpfs (root only), unmounted at teardown."""
-    if not IS_ROOT:
-        pytest.skip("needs root to mount a small tmpfs")
-    path = Path(tempfile.mkdtemp(prefix="ft_snap_tmpfs_", dir="/tmp"))
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs",
-                          str(path)], capture_output=True, text=True, timeout=30)
-    if res.returncode != 0:
-        path.rmdir()
-        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], capture_output=True, timeout=30)
-        path.rmdir()
+    yield from mounted_tmpfs("1m", mode="0700", prefix="ft_snap_tmpfs_")
 
 
 def test_full_tmpfs_fails_the_write_and_keeps_the_previous_snapshot(full_tmpfs: Path) -> None:
