@@ -149,6 +149,8 @@ from pathlib import Path
 facts = {
     "argv": sys.argv,
     "orig_argv": sys.orig_argv,
+    # what ps and pgrep -f read (NULs between arguments, or one string after setproctitle)
+    "cmdline": Path("/proc/self/cmdline").read_bytes().decode().replace("\\0", " ").split(),
     "name": __name__,
     "main_file": sys.modules["__main__"].__file__,
     "spec": getattr(__spec__, "name", None),
@@ -230,6 +232,7 @@ def test_warm_worker_sees_a_fresh_process(tmp_path, run_dir, mode):
             assert f["argv"] == [main_file if mode == "module" else target, "--flag", "x y"]
             assert f["orig_argv"] == [*cold["orig_argv"][:-1], "--flag", "x y"]
             assert cold["orig_argv"] == [sys.executable, "-u", *entry, "cold"]
+            assert f["cmdline"] == [*cold["cmdline"][:-1], "--flag", "x", "y"]
             assert f["name"] == "__main__" and f["main_file"] == main_file
             assert f["spec"] == (target if mode == "module" else None)
             assert f["cwd"] == str(cwd) and f["path0"] == os.path.realpath(work)

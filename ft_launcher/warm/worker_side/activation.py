@@ -44,9 +44,9 @@ Limits (what a preloaded module may not rely on):
 - A preload must not touch a GPU (the standby refuses to serve if it holds a ``/dev/nvidia*``
   file), start threads or processes, open sockets or files it keeps: all of them would
   survive into the worker.
-- ``/proc/PID/cmdline`` and ``/proc/PID/environ`` (what ``ps`` and ``pkill -f`` read)
-  still show the standby's (or zygote's) command line and first environment; forked
-  standbys share the zygote's string hash seed.
+- ``/proc/PID/cmdline`` (what ``ps`` and ``pkill -f`` read) shows the cold worker's command
+  line, as one string (setproctitle); ``/proc/PID/environ`` still shows the zygote's first
+  environment; forked standbys share the zygote's string hash seed.
 """
 
 import _signal  # not ``signal``: a fresh interpreter has only the C module loaded
@@ -191,6 +191,24 @@ def cold_command_line(mode: str, target: str, args: list[str]) -> list[str]:
     return [*interpreter, *(["-m", target] if mode == "module" else [target]), *args]
 
 
+def _show_command_line(argv: list[str]) -> None:
+    """What ``ps``, ``pgrep -f`` and ``/proc/PID/cmdline`` show: the cold worker's command
+    line, so tools that find a job's workers by script name find this one too. setproctitle
+    rewrites the argv area (the zygote's ``-c`` code leaves ample room); SPT_NOENV keeps it
+    out of the environment's area (the standby's environment, replaced right after). Without
+    the library the standby's command line stays."""
+    os.environ["SPT_NOENV"] = "1"
+    try:
+        import setproctitle  # noqa: PLC0415 - only a worker-to-be needs it
+
+        setproctitle.setproctitle(" ".join(argv))
+    except ImportError:
+        pass
+    finally:
+        for name in [m for m in sys.modules if m.lstrip("_").startswith("setproctitle")]:
+            sys.modules.pop(name, None)  # a fresh interpreter has not imported it
+
+
 def _script_traceback(tb, main_globals: dict):
     """Drop the standby's own frames: the traceback starts at the script's first frame."""
     while tb is not None and tb.tb_frame.f_globals is not main_globals:
@@ -214,12 +232,14 @@ def _become_worker(nonce: str, fields: list[bytes], handlers: dict[int, object],
     text = [os.fsdecode(f) for f in fields]
     cwd, mode, target, nargs = text[0], text[1], text[2], int(text[3])
     args, env = text[4:4 + nargs], text[4 + nargs:]
+    sys.orig_argv = cold_command_line(mode, target, args)
+    # Before the environment is replaced: setproctitle finds the argv area from it.
+    _show_command_line(sys.orig_argv)
     os.environ.clear()  # unsetenv/putenv too, so C code sees the new environment
     for item in env:
         key, _, value = item.partition("=")
         os.environ[key] = value
     os.chdir(cwd)
-    sys.orig_argv = cold_command_line(mode, target, args)
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
