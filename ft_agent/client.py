@@ -122,7 +122,7 @@ class RankMonitorClient:
         if self._pending_state is not None:
             self._set_timeouts(self._pending_state)
             self._pending_state = None
-        _arm_simulated_exit(os.environ.get("FT_SIMULATED_FAULT", ""), self.send_report)
+        _arm_simulated_faults(self, os.environ.get("FT_SIMULATED_FAULT", ""))
         self._arm_stop_fence()
         log.debug("rank %d cycle %d: connected to %s", self.rank, self.cycle, endpoint)
 
@@ -429,6 +429,13 @@ def _control_fields(req: WorkloadControlRequest | WorkloadAction | str) -> dict[
             **({} if description is None else {"description": str(description)[:1000]})}
 
 
+def _arm_simulated_faults(client: RankMonitorClient, spec: str) -> None:
+    """The fault the launcher armed in ``FT_SIMULATED_FAULT``: ``rank_exit`` or
+    ``rank_slow`` (the others are delivered from outside)."""
+    _arm_simulated_exit(spec, client.send_report)
+    _arm_simulated_slow(client, spec)
+
+
 def _arm_simulated_exit(spec: str, report: Any) -> None:
     """``rank_exit:code=N,delay=D`` from the launcher: exit with N, D seconds from now (the
     rank connecting to its monitor is when its training starts).
@@ -456,6 +463,43 @@ def _arm_simulated_exit(spec: str, report: Any) -> None:
     timer = threading.Timer(delay, fire)
     timer.daemon = True
     timer.start()
+
+
+def _arm_simulated_slow(client: RankMonitorClient, spec: str) -> None:
+    """``rank_slow:factor=F,delay=D[,duration=S]`` from the launcher: from D seconds after
+    the rank's first section, every timed section lasts F times its work (a sleep inside
+    it, before it closes); the first one stretched is put on the launcher's record.
+
+    A real straggler is slow in its work; a stop from outside lands anywhere in the step
+    and leaves a short section's median untouched, so a rank that times sections slows
+    them itself (the launcher then leaves it alone, ft_launcher/faults.py). Armed by
+    wrapping this client's section calls: a client with no such fault runs unchanged.
+    """
+    if not spec.startswith(simulated_fault.SLOW_FAULT):
+        return
+    parsed = simulated_fault.parse_slow_fault(spec)
+    if parsed is None:
+        log.warning("ignoring malformed FT_SIMULATED_FAULT=%r", spec)
+        return
+    slow = simulated_fault.SlowSections(*parsed)
+    start_section, end_section = client.start_section, client.end_section
+
+    def start(name: str, device: bool = False) -> None:
+        slow.opened(name, time.monotonic())
+        start_section(name, device)
+
+    def end(name: str, device: bool = False) -> None:
+        extra = slow.extra_s(name, time.monotonic())
+        if extra > 0:
+            if not slow.reported:
+                slow.reported = True
+                client.send_report("simulated_fault", json.dumps(
+                    {"fault_type": simulated_fault.SLOW_FAULT, "at": time.time(),
+                     "factor": slow.factor, "duration": slow.duration}))
+            time.sleep(extra)
+        end_section(name, device)  # stamps the section's end: after the sleep
+
+    client.start_section, client.end_section = start, end  # type: ignore[method-assign]
 
 
 class _Section:

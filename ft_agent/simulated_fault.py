@@ -1,5 +1,6 @@
 """Simulated faults, the parts the launcher and the agent share: the seeded draw of which
-rank fails, how and when, and the ``FT_SIMULATED_FAULT`` value that arms a ``rank_exit``.
+rank fails, how and when, and the ``FT_SIMULATED_FAULT`` values that arm a ``rank_exit`` or a
+``rank_slow`` (whose stretch of timed sections is here too).
 
 A seeded draw over values every process already has (a seed such as the run id, and the
 restart cycle) gives every node and every rank the same answer with no message and no
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 SIGNAL_FAULTS = ("rank_killed", "rank_hung")  # what "random" draws from
 EXIT_FAULT = "rank_exit"
@@ -55,3 +56,76 @@ def parse_exit_fault(value: str) -> tuple[int, float] | None:
     if not 1 <= code <= 255 or not math.isfinite(delay) or delay < 0:
         return None
     return code, delay
+
+
+SLOW_FAULT = "rank_slow"
+MAX_OPEN_SECTIONS = 64  # per rank, as the monitor allows
+
+
+def slow_fault_value(factor: float, delay: float, duration: float | None) -> str:
+    """``FT_SIMULATED_FAULT`` for a rank whose sections must take ``factor`` times as long,
+    from ``delay`` seconds after it starts training, for ``duration`` seconds (None: on)."""
+    value = f"{SLOW_FAULT}:factor={factor!r},delay={delay:.6f}"
+    return value if duration is None else f"{value},duration={duration!r}"
+
+
+def parse_slow_fault(value: str) -> tuple[float, float, float | None] | None:
+    """(factor, delay, duration) from ``FT_SIMULATED_FAULT``; None when it arms no valid
+    ``rank_slow``."""
+    kind, _, rest = value.partition(":")
+    if kind != SLOW_FAULT:
+        return None
+    fields = dict(p.split("=", 1) for p in rest.split(",") if "=" in p)
+    try:
+        factor, delay = float(fields["factor"]), float(fields["delay"])
+        duration = float(fields["duration"]) if "duration" in fields else None
+    except (KeyError, ValueError):
+        return None
+    if not (math.isfinite(factor) and factor > 1 and math.isfinite(delay) and delay >= 0):
+        return None
+    if duration is not None and not (math.isfinite(duration) and duration > 0):
+        return None
+    return factor, delay, duration
+
+
+@dataclass
+class SlowSections:
+    """A ``rank_slow`` carried out by the rank: every timed section that closes from
+    ``delay`` seconds after the rank's first section on (for ``duration`` seconds, None:
+    for good) is made to last ``factor`` times its work.
+
+    The first section is when this rank starts training, as the launcher counts (every
+    rank's first activity; in a synchronous job they start together). Pure: the caller
+    sleeps the returned extra time inside the section, then closes it. A section's work is
+    its wall time less what was added inside it already (a nested section's stretch), so
+    nested sections are not slowed twice.
+    """
+
+    factor: float
+    delay: float = 0.0
+    duration: float | None = None
+    start: float | None = None  # monotonic, fixed by the first section
+    added_s: float = 0.0  # stretch added so far, all sections together
+    reported: bool = False  # the first stretch was put on the launcher's record
+    _open: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+    def opened(self, name: str, t: float) -> None:
+        if self.start is None:
+            self.start = t + self.delay
+        if name in self._open or len(self._open) < MAX_OPEN_SECTIONS:
+            self._open[name] = (t, self.added_s)
+
+    def active(self, t: float) -> bool:
+        return self.start is not None and self.start <= t and (
+            self.duration is None or t < self.start + self.duration)
+
+    def extra_s(self, name: str, t: float) -> float:
+        """Seconds to add before closing ``name`` at ``t`` (0 outside the fault's time)."""
+        opened = self._open.pop(name, None)
+        if opened is None or not self.active(t):
+            return 0.0
+        t0, added_before = opened
+        inside = self.added_s - added_before
+        extra = max(0.0, (self.factor - 1) * (t - t0) - self.factor * inside)
+        self.added_s += extra
+        return extra

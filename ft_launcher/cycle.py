@@ -125,7 +125,7 @@ def plan_workers(d: CycleDeps, cycle: int, rnd: RoundInfo,
         token = secrets.token_hex(16)
         stack_file = d.rundir.private / f"stack_c{cycle}_r{rank}.raw"
         fault = armed.env_value() if armed is not None and armed.rank == rank \
-            and armed.fault_type == "rank_exit" else None
+            and armed.fault_type in ("rank_exit", "rank_slow") else None
         env = worker_env(
             os.environ, env_of_cycle, local_rank, token=token, stack_file=str(stack_file),
             error_file=str(d.rundir.cycle_log_dir(cycle) / f"rank_{rank}_error.json"),
@@ -436,7 +436,8 @@ class Cycle:
         armed.start_clock(state.spawned_at, state.training_at, d.monitor.any_connected(),
                           d.clock.time())
         if armed.at is not None and d.clock.time() >= armed.at:
-            injected = faults.inject(self.group, armed, self.number, d.events)
+            injected = faults.inject(self.group, armed, self.number, d.events,
+                                     times_sections=d.monitor.closed_a_section)
             if injected is not None:
                 self.throttle = injected.throttle
                 d.record.faults.append(injected.record)

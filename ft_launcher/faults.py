@@ -3,10 +3,10 @@
 ``rank_killed`` (SIGKILL) and ``rank_hung`` (SIGSTOP) are delivered from outside the worker,
 so they work for any script. ``rank_exit`` needs the worker to exit with a given code, which
 only the worker can do: the launcher arms it through ``FT_SIMULATED_FAULT`` and ft_agent,
-once initialised in the worker, exits at the planned time. ``rank_slow:factor=F`` slows
-the rank to ~1/F of its speed from outside (SIGSTOP/SIGCONT duty cycle,
-ft_launcher/stragglers/throttle.py)
-until the cycle ends, or for ``duration`` seconds.
+once initialised in the worker, exits at the planned time. ``rank_slow:factor=F`` makes
+a rank that times sections (ft_agent) stretch each to F times its work, armed the same way;
+a rank that times none is slowed to ~1/F of its CPU from outside (SIGSTOP/SIGCONT,
+ft_launcher/stragglers/throttle.py); either until the cycle ends, or for ``duration`` s.
 """
 
 from __future__ import annotations
@@ -130,7 +130,9 @@ class ArmedFault:
         return int(signal.SIGKILL if self.fault_type == "rank_killed" else signal.SIGSTOP)
 
     def env_value(self) -> str:
-        """FT_SIMULATED_FAULT for the victim (read by ft_agent for rank_exit)."""
+        """FT_SIMULATED_FAULT for the victim (read by ft_agent for rank_exit, rank_slow)."""
+        if self.fault_type == "rank_slow":
+            return simulated_fault.slow_fault_value(self.factor or 2.0, self.delay, self.duration)
         return simulated_fault.exit_fault_value(self.code, self.delay)
 
 
@@ -249,7 +251,8 @@ class Injected:
 
 
 def inject(group: WorkerGroup, armed: ArmedFault, cycle: int, events: Callable[..., Any],
-           new_throttle: Callable[..., Throttle] = Throttle) -> Injected | None:
+           new_throttle: Callable[..., Throttle] = Throttle,
+           times_sections: Callable[[int], bool] = lambda rank: False) -> Injected | None:
     """Deliver ``armed`` to its victim among ``group``'s workers (``fault_injected``);
     None when the victim is gone already. The fault fires once either way."""
     armed.fired = True
@@ -258,22 +261,25 @@ def inject(group: WorkerGroup, armed: ArmedFault, cycle: int, events: Callable[.
         return None
     extra: dict[str, Any] = {}
     throttle = None
+    record = {"cycle": cycle, "kind": "injected", "fault_type": armed.fault_type,
+              "rank": armed.rank}
+    if armed.fault_type == "rank_slow" and times_sections(armed.rank):
+        return Injected(None, record)  # the rank stretches its sections and says when
     if armed.fault_type == "rank_slow":
-        # A SIGSTOP/SIGCONT budget on the victim alone (throttle.py holds a pidfd, so a
-        # reused pid is never signalled); its peers' CPU use is only read.
+        # A rank that times sections slows them itself (ft_agent, FT_SIMULATED_FAULT); else
+        # a SIGSTOP/SIGCONT budget on the victim alone (throttle.py holds a pidfd, so a
+        # reused pid is never signalled), until it closes a section; peers are only read.
         peers = [w.pid for w in group.workers if w is not victim and w.alive]
         try:
             throttle = new_throttle(victim.pid, armed.factor, duration_s=armed.duration,
-                                    peers=peers)
+                                    peers=peers, until=lambda: times_sections(armed.rank))
         except ProcessLookupError:
             return None
         throttle.start()
         extra = {"factor": armed.factor, "duration": armed.duration,
-                 "period_s": throttle.cycle.period_s}
+                 "period_s": throttle.cycle.period_s, "by": "throttle"}
     else:
         group.signal_process(victim, victim.pid, armed.signum)
-    record = {"cycle": cycle, "kind": "injected", "fault_type": armed.fault_type,
-              "rank": armed.rank}
     events("fault_injected", rank=armed.rank, fault_type=armed.fault_type,
            pid=victim.pid, at=round(armed.at or time.time(), 6), delay=armed.delay,
            counted_from=armed.counted_from, **extra)

@@ -38,6 +38,10 @@ def _send(monitor: Monitor, rank: int, kind: str, now: float, **fields) -> None:
 def test_what_the_ranks_reported_is_read_through_named_methods(monitor, tmp_path):
     _start(monitor, tmp_path)
     assert monitor.all_connected() and monitor.any_connected()
+    assert not monitor.closed_a_section(0)
+    _send(monitor, 0, protocol.SECTION_OPEN, 10.6, name="compute")
+    _send(monitor, 0, protocol.SECTION_CLOSE, 10.7, name="compute")
+    assert monitor.closed_a_section(0) and not monitor.closed_a_section(1)
     _send(monitor, 0, protocol.HEARTBEAT, 11.0)
     _send(monitor, 1, protocol.PROGRESS, 12.0, it=7, ckpt=True)
     assert monitor.progress() == {1: 7}

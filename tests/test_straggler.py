@@ -164,8 +164,9 @@ def test_evaluating_rarely_still_counts_steps_not_calls():
 
 def test_remote_medians_count_until_they_age_out():
     clock = Clock()
+    # remote_settle_s=0: the wait for medians read after the excess is tested below.
     det = StragglerDetector(window=5, now=clock, remote_ttl_s=30, host="node-b",
-                            baseline_steps=5)
+                            baseline_steps=5, remote_settle_s=0)
     for rank, host in ((0, "node-a"), (1, "node-a"), (2, "node-c")):
         assert det.observe_remote(rank, host, BASE_S)
     events = run(det, 0, 0, None)
@@ -474,3 +475,67 @@ def test_remote_medians_of_another_clock_do_not_count():
     run(det, 1, 3, lambda s, r: 2 * BASE_S)
     assert det.medians() == {0: 2 * BASE_S}, "a wall median is not compared with GPU time"
     assert det.medians("device") == {5: BASE_S}
+
+
+# -- two nodes, one rank each: the reference is the other node's late median -------------
+
+STEP_S, EXCHANGE_S = 0.02, 3.0  # a step every 20 ms; a median published/read every 3 s
+
+
+def two_nodes(duration, steps: int, **kwargs):
+    """Node a (rank 0) and node b (rank 1) in one synchronous job on one machine, each
+    detector fed its rank's section times and the other node's median as the exchange
+    delivers it (published every EXCHANGE_S, read every EXCHANGE_S half a period later).
+    Returns {node: [(step, event)]}."""
+    clock = Clock()
+    dets = {n: StragglerDetector(threshold=2.0, window=10, now=clock, host=f"node-{n}",
+                                 **kwargs) for n in "ab"}
+    local = {"a": 0, "b": 1}
+    published: dict[str, dict[int, float]] = {}
+    out: dict[str, list] = {"a": [], "b": []}
+    for step in range(steps):
+        clock.t = 1000.0 + step * STEP_S
+        for n, det in dets.items():
+            det.observe(local[n], "compute", duration(step, local[n]))
+        phase = round(step * STEP_S / EXCHANGE_S, 9)
+        if phase == int(phase):
+            published = {n: det.local_medians() for n, det in dets.items()}
+        if phase - 0.5 == int(phase - 0.5):
+            for n, det in dets.items():
+                for rank, median in published.get("b" if n == "a" else "a", {}).items():
+                    det.observe_remote(rank, "node-x", median)
+        for n, det in dets.items():
+            out[n] += [(step, e) for e in det.evaluate()]
+    return out
+
+
+def test_a_load_on_the_whole_machine_does_not_name_a_rank_alone_on_its_node():
+    """The false report of the two-node end-to-end case: a burst of load (both ranks 3x for
+    2 s, here between two reads of the exchange) made node a's healthy rank 3x its own past
+    and 3x node b's last median, which was read before the burst; every rule held. Only a
+    median read after the burst began shows node b's rank was as slow."""
+    burst = range(610, 710)  # 12.2-14.2 s: just after a read at 10.5 s, before 13.5 s's
+
+    def duration(step, rank):
+        return 0.01 * (3 if step in burst else 1)
+
+    got = two_nodes(duration, 1200)
+    assert got == {"a": [], "b": []}
+    # Without the wait for a median that covers the burst, both would have been named.
+    got = two_nodes(duration, 1200, remote_settle_s=-math.inf)
+    assert sorted({(n, e.rank) for n, evs in got.items() for _, e in evs}) == [
+        ("a", 0), ("b", 1)]
+
+
+def test_a_slow_rank_alone_on_its_node_is_still_named_once_the_medians_cover_it():
+    onset = 600
+
+    def duration(step, rank):
+        return 0.01 * (3 if rank == 1 and step >= onset else 1)
+
+    got = two_nodes(duration, 1500)
+    assert got["a"] == []
+    step, first = got["b"][0]
+    assert (first.event, first.rank) == (DETECTED, 1)
+    # 6 s to settle, a window's span, then the next read (every 3 s): within 10 s.
+    assert 6.0 < (step - onset) * STEP_S <= 10.0, (step - onset) * STEP_S

@@ -24,10 +24,8 @@ from ft_launcher.stragglers.straggler import speed_table
 pytestmark = pytest.mark.timeout(240)
 
 TRAIN = str(SCRIPTS / "straggler_train.py")
-# ~60 ms of pure-Python CPU per step on an idle core. Not shorter: the throttle budgets CPU
-# per 50 ms period and banks a few periods, so a step of ~20 ms is either untouched or
-# stopped for long (per-step ratios of 1 or 5+), and the detector wants 70 % of a window
-# slow (measured under load with 20 ms steps: named 22-34 steps after the onset).
+# ~60 ms of pure-Python CPU per step on an idle core. rank_slow stretches the rank's own
+# sections (ft_agent); short sections are tested in test_rank_slow.py.
 WORK = "1000000"
 CLEAN_WORK = "350000"  # ~20 ms: the 8-rank clean run, for as many steps as it can get
 # base_delay of rank_slow: counted from the moment every rank is training, so the onset
@@ -122,9 +120,9 @@ def check_named_soon_after_onset(run_dir: Path, out: Path, proc, evs: list[dict]
         1, socket.gethostname(), "compute", window)
     assert first["score"] > 2.0 and first["steps"] >= window, "never on fewer than a window"
     taken = steps_after(out, 1, onset, first["ts"])
-    # The 20-step rule itself is a fake-clock test (test_straggler.py, 2x and 3x ranks); end
-    # to end it took 17-22 steps at load 3-6, but with both cores kept busy by other work the
-    # throttle bites in bursts (22 and 44 steps seen), so this bound only proves the wiring.
+    # The 20-step rule itself is a fake-clock test (test_straggler.py, 2x and 3x ranks); with
+    # both cores kept busy by other work a step's time varies widely, so this bound only
+    # proves the wiring.
     assert taken <= STEPS_BOUND, f"detected {taken} steps after the onset"
     assert summary(run_dir)["restarts"] == 0, "report: the job goes on"
     assert steps(out, 0)[-1][0] == steps(out, nproc - 1)[-1][0], "every rank ran every step"

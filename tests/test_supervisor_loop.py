@@ -159,6 +159,9 @@ class FakeMonitor:
     def any_connected(self) -> bool:
         return self.training  # a script that never trains here never said hello either
 
+    def closed_a_section(self, rank: int) -> bool:
+        return False
+
     def all_connected(self) -> bool:
         return True
 

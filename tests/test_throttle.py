@@ -9,6 +9,7 @@ from __future__ import annotations
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -216,6 +217,22 @@ def test_duration_ends_the_slowdown_by_itself(busy):
     assert not throttle.running
     assert 0.25 < throttle.ended_at - throttle.started_at < 5
     assert status(busy.pid) != psutil.STATUS_STOPPED
+    throttle.stop()
+
+
+def test_the_throttle_ends_when_the_rank_starts_slowing_its_own_sections(busy):
+    count(busy)
+    sections = threading.Event()  # the rank closed a section: it stretches them itself
+    throttle = Throttle(busy.pid, 10.0, period_s=0.02, until=sections.is_set)
+    throttle.start()
+    time.sleep(0.2)
+    assert throttle.running
+    sections.set()
+    deadline = time.monotonic() + 10
+    while throttle.running and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not throttle.running and status(busy.pid) != psutil.STATUS_STOPPED
+    count(busy)
     throttle.stop()
 
 

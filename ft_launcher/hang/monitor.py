@@ -117,6 +117,11 @@ class MonitorView:
         """Some rank of the cycle said hello (the script uses ft_agent)."""
         return any(s.identity is not None for s in self.slots.values())
 
+    def closed_a_section(self, rank: int) -> bool:
+        """The rank has closed a timed section this cycle (it times its work)."""
+        r = self.liveness.ranks.get(rank)
+        return r is not None and r.last_section_end is not None
+
     def all_connected(self) -> bool:
         """Every rank of the cycle said hello (so none waits for a reply)."""
         return all(s.identity is not None for s in self.slots.values())
@@ -512,6 +517,13 @@ def parse_agent_fault(message: str) -> dict[str, Any] | None:
         fields = {"fault_type": str(fault["fault_type"])[:40], "at": float(fault["at"])}
         if "code" in fault:
             fields["code"] = int(fault["code"])
+        if "factor" in fault:  # a rank_slow the rank carries out (its sections)
+            fields["factor"] = float(fault["factor"])
+            duration = fault.get("duration")
+            fields["duration"] = None if duration is None else float(duration)
+            fields["by"] = "sections"
+            if not all(math.isfinite(v) for v in (fields["factor"], duration or 0.0)):
+                raise ValueError("factor or duration is not finite")
         if not math.isfinite(fields["at"]):
             raise ValueError("at is not finite")
     except (ValueError, KeyError, TypeError, RecursionError, OverflowError):

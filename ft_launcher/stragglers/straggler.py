@@ -29,6 +29,12 @@ of its own steps in a row; it is cleared when its score stays below ``clear_thre
 (lower: hysteresis) as long. No score exists before a rank has ``window`` section times, so
 nothing is ever decided on fewer.
 
+A rank alone on its node has no per-step ratio: its reference is other nodes' medians, read
+seconds late, so a load that slows the whole machine for a moment slowed it against a median
+from before the load (measured: a healthy rank named so, in the two-node end-to-end case). It
+is reported only once the other nodes' medians were read ``remote_settle_s`` plus a window's
+span after its excess began, and it still holds.
+
 Device time: when every local rank reports the GPU time of the section (``observe_device``,
 from ``client.section(..., device=True)``), those times are scored instead of wall times
 (``clock`` "device"): a GPU's time does not depend on how the host's CPUs are shared.
@@ -107,6 +113,8 @@ class _Track:
     steps: int = 0
     flagged: bool = False
     crossed_at: int | None = None  # step at which the score crossed the current boundary
+    crossed_t: float = 0.0  # and when (the detector's clock)
+    stamps: deque[float] = field(default_factory=deque)  # when its last window closed
 
 
 @dataclass
@@ -129,6 +137,8 @@ class StragglerDetector:
     ``warmup_steps``: a rank's first section times, ignored. ``persist``: the fraction of
     a window's steps that must exceed ``threshold`` (per-step ratio) for a report.
     ``baseline_steps``: the longer horizon of the others' usual times (default ten windows).
+    ``remote_settle_s``: how long after its excess began a rank alone on its node waits for
+    other nodes' medians before it is reported.
     """
 
     threshold: float = 1.3
@@ -147,6 +157,11 @@ class StragglerDetector:
     # measured on 2 loaded cores quieter than 0.5 did, and a 2x rank still passes it.
     persist: float = 0.7
     baseline_steps: int | None = None
+    # A rank alone on its node is compared with other nodes' medians only, which arrive
+    # late (straggler_exchange.py: every 3 s, then read every 3 s): reported only on
+    # medians read this long after its excess began, plus its window's span, so they cover
+    # the same time (a load that slows the whole machine slows them too).
+    remote_settle_s: float = 6.0
     _tracks: dict[int, _Track] = field(default_factory=dict, init=False, repr=False)
     _warmup: dict[int, int] = field(default_factory=dict, init=False, repr=False)
     _remote: dict[int, _Remote] = field(default_factory=dict, init=False, repr=False)
@@ -168,6 +183,10 @@ class StragglerDetector:
                              f"{self.clear_threshold!r}")
         if not (isinstance(self.persist, (int, float)) and 0 <= self.persist <= 1):
             raise ValueError(f"persist must be a fraction in [0, 1], got {self.persist!r}")
+        if not (isinstance(self.remote_settle_s, (int, float))
+                and not math.isnan(self.remote_settle_s)):
+            raise ValueError(f"remote_settle_s must be a number of seconds, got "
+                             f"{self.remote_settle_s!r}")
         if self.baseline_steps is None:
             self.baseline_steps = 10 * self.window
         if self.baseline_steps < self.window:
@@ -188,6 +207,9 @@ class StragglerDetector:
         track = self._track(rank, host)
         track.wall.add(float(duration_s))
         track.steps += 1
+        track.stamps.append(self.now())
+        if len(track.stamps) > self.window:
+            track.stamps.popleft()
         return True
 
     def observe_device(self, rank: int, section: str, device_s: float,
@@ -302,6 +324,20 @@ class StragglerDetector:
         return 2 * len(held) >= self.baseline_steps and \
             own_long_s > self.threshold * others_usual_s  # type: ignore[operator]
 
+    def _compared_alike(self, rank: int, clock: str) -> bool:
+        """Whether the rank's reference covers the time of its excess: another local rank
+        gives each step's own time (the per-step ratio); a rank alone on its node has only
+        other nodes' medians, which must have been read ``remote_settle_s`` plus a window's
+        span after the excess began (see the field's comment)."""
+        track = self._tracks[rank]
+        if any(r != rank for r in self._tracks):
+            return True
+        span = track.stamps[-1] - track.stamps[0] if track.stamps else 0.0
+        horizon = self.now() - self.remote_ttl_s
+        seen = [r.seen_at for r in self._remote.values()
+                if r.seen_at >= horizon and r.clock == clock]
+        return bool(seen) and min(seen) >= track.crossed_t + self.remote_settle_s + span
+
     def scores(self) -> dict[int, float]:
         """Current score of every rank that counts (empty with fewer than two)."""
         return scores(self.medians())
@@ -339,8 +375,9 @@ class StragglerDetector:
                 track.crossed_at = None
                 continue
             if track.crossed_at is None:
-                track.crossed_at = track.steps
-            if track.steps - track.crossed_at < self.confirm_steps:
+                track.crossed_at, track.crossed_t = track.steps, self.now()
+            if track.steps - track.crossed_at < self.confirm_steps or \
+                    not (track.flagged or self._compared_alike(rank, clock)):
                 continue
             track.flagged = not track.flagged
             track.crossed_at = None

@@ -1,6 +1,8 @@
 """Slow a worker down from outside: SIGSTOP / SIGCONT at a fine duty cycle.
 
-The ``rank_slow:factor=F`` simulated fault. The process keeps running most of the time (it
+The ``rank_slow:factor=F`` simulated fault of a rank that times no sections (one that does
+stretches its sections itself: ft_agent/simulated_fault.py, and this throttle ends when it
+closes one). The process keeps running most of the time (it
 still heartbeats: a slow rank, not a hung one) but gets only 1/F of the CPU it would get,
 so whatever it does advances at about 1/F of its speed, for any script.
 
@@ -28,7 +30,7 @@ import signal
 import statistics
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 log = logging.getLogger("ft_launcher")
@@ -267,17 +269,21 @@ class Throttle:
     ``start()`` starts a daemon thread; ``stop()`` ends it and sends a final SIGCONT, and is
     safe to call twice, before ``start()`` and after the process died. With ``duration_s``
     the throttle ends by itself after that long (a transient slowdown), leaving the process
-    continued. Raises ProcessLookupError when ``pid`` is already gone.
+    continued. ``until``: asked every look; when it returns True the throttle ends (the
+    rank slows its own sections from then on). Raises ProcessLookupError when ``pid`` is
+    already gone.
     """
 
     def __init__(self, pid: int, factor: float, period_s: float = DEFAULT_PERIOD_S,
-                 duration_s: float | None = None, peers: Sequence[int] = ()) -> None:
+                 duration_s: float | None = None, peers: Sequence[int] = (),
+                 until: Callable[[], bool] = lambda: False) -> None:
         if duration_s is not None and not (math.isfinite(duration_s) and duration_s > 0):
             raise ValueError(f"duration_s must be a positive number, got {duration_s!r}")
         self.cycle = duty_cycle(factor, period_s)
         self.factor = factor
         self.duration_s = duration_s
         self.peers = [p for p in peers if p != pid]
+        self.until = until
         self._target = _Target(pid)
         self._halt = threading.Event()
         self._thread: threading.Thread | None = None
@@ -329,7 +335,7 @@ class Throttle:
         try:
             while not self._halt.is_set():
                 now = time.monotonic()
-                if now >= end:
+                if now >= end or self.until():
                     break
                 if stopped_at is None:
                     wall_used += now - last
