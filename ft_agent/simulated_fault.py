@@ -43,12 +43,19 @@ def exit_fault_value(code: int, delay: float) -> str:
     return f"{EXIT_FAULT}:code={code},delay={delay:.6f}"
 
 
+def _fields_of(value: str, kind: str) -> dict[str, str] | None:
+    """The ``key=value`` fields of an ``FT_SIMULATED_FAULT`` of ``kind``; None: another kind."""
+    found, _, rest = value.partition(":")
+    if found != kind:
+        return None
+    return dict(p.split("=", 1) for p in rest.split(",") if "=" in p)
+
+
 def parse_exit_fault(value: str) -> tuple[int, float] | None:
     """(code, delay) from ``FT_SIMULATED_FAULT``; None when it arms no valid ``rank_exit``."""
-    kind, _, rest = value.partition(":")
-    if kind != EXIT_FAULT:
+    fields = _fields_of(value, EXIT_FAULT)
+    if fields is None:
         return None
-    fields = dict(p.split("=", 1) for p in rest.split(",") if "=" in p)
     try:
         code, delay = int(fields["code"]), float(fields["delay"])
     except (KeyError, ValueError):
@@ -72,10 +79,9 @@ def slow_fault_value(factor: float, delay: float, duration: float | None) -> str
 def parse_slow_fault(value: str) -> tuple[float, float, float | None] | None:
     """(factor, delay, duration) from ``FT_SIMULATED_FAULT``; None when it arms no valid
     ``rank_slow``."""
-    kind, _, rest = value.partition(":")
-    if kind != SLOW_FAULT:
+    fields = _fields_of(value, SLOW_FAULT)
+    if fields is None:
         return None
-    fields = dict(p.split("=", 1) for p in rest.split(",") if "=" in p)
     try:
         factor, delay = float(fields["factor"]), float(fields["delay"])
         duration = float(fields["duration"]) if "duration" in fields else None
