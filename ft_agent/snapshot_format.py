@@ -82,16 +82,6 @@ class SnapshotError(Exception):
 
 
 @dataclass(frozen=True)
-class TensorSpec:
-    """Where one tensor's bytes are in the slot file, and how to read them back."""
-
-    dtype: str
-    shape: tuple[int, ...]
-    offset: int
-    nbytes: int
-
-
-@dataclass(frozen=True)
 class Header:
     """A slot file's decoded header: the state's structure and where each tensor is."""
 
@@ -118,6 +108,16 @@ class Commit:
 
 
 # -- encoding (the writer's side; inputs are the caller's own state) -------------------
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Where one tensor's bytes are in the slot file, and how to read them back."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
 
 
 def encode_tree(value: Any, tensors: list[Any], path: str = "state", depth: int = 0) -> Any:
