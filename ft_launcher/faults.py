@@ -263,11 +263,11 @@ def inject(group: WorkerGroup, armed: ArmedFault, cycle: int, events: Callable[.
     throttle = None
     record = {"cycle": cycle, "kind": "injected", "fault_type": armed.fault_type,
               "rank": armed.rank}
-    if armed.fault_type == "rank_slow" and times_sections(armed.rank):
-        return Injected(None, record)  # the rank stretches its sections and says when
     if armed.fault_type == "rank_slow":
-        # A rank that times sections slows them itself (ft_agent, FT_SIMULATED_FAULT); else
-        # a SIGSTOP/SIGCONT budget on the victim alone (throttle.py holds a pidfd, so a
+        if times_sections(armed.rank):
+            # It slows its sections itself (ft_agent, FT_SIMULATED_FAULT) and says when.
+            return Injected(None, record)
+        # Else a SIGSTOP/SIGCONT budget on the victim alone (throttle.py holds a pidfd, so a
         # reused pid is never signalled), until it closes a section; peers are only read.
         peers = [w.pid for w in group.workers if w is not victim and w.alive]
         try:
@@ -339,6 +339,7 @@ def entry_imports_agent(entrypoint: Sequence[str]) -> bool:
     except OSError:
         return False
     return source_imports_agent(source.decode("utf-8", errors="replace"))
+
 
 def not_fired(armed: ArmedFault | None, workers: Sequence[Worker],
               now: float) -> dict[str, Any] | None:
