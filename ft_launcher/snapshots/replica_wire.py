@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ft_agent.snapshot_format import (
-    MAX_COMMIT_BYTES,
     MAX_INT,
     PREFIX,
     Commit,
@@ -45,6 +44,8 @@ MAX_TOKEN = 256
 MAX_REASON = 300
 MAX_RANK = 2**20
 MAX_CHUNK = 16 * 2**20
+MAX_COMMIT = 16 * 2**20  # a commit record of ~700k tensors
+MAX_FRAME = max(MAX_CHUNK, MAX_COMMIT, MAX_HEADER)
 MAX_SLOT_BYTES = 2**40
 MAX_HELD = 16
 SLOTS = ("a", "b")
@@ -150,7 +151,7 @@ def _payload(frames: Sequence[Any], has_payload: bool, op: str) -> Any:
     if len(frames) != 2:
         raise WireError("format", f"{op} needs one payload frame")
     payload = memoryview(frames[1])
-    bound = MAX_CHUNK if op == "data" else MAX_COMMIT_BYTES
+    bound = MAX_CHUNK if op == "data" else MAX_COMMIT
     if payload.nbytes > bound or (op == "data" and payload.nbytes == 0):
         raise WireError("bounds", f"{op} payload of {payload.nbytes} bytes")
     return payload.cast("B") if payload.ndim != 1 or payload.format != "B" else payload
