@@ -241,7 +241,7 @@ class SlotVerifier:
                 self._crcs = [0] * len(self._header.tensors)
                 self._head = bytearray()
         except SnapshotError as e:
-            raise WireError("format" if e.reason == "format" else "mismatch", str(e)) from None
+            raise WireError(e.reason, e.detail) from None
         if self._header is not None and self._header.iteration != self.iteration:
             raise WireError("mismatch", f"slot holds iteration {self._header.iteration}, "
                             f"sent as {self.iteration}")
