@@ -51,7 +51,7 @@ from ft_launcher.snapshots.replica_wire import (
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CHUNK = 4 * 2**20
+DEFAULT_CHUNK = 8 * 2**20
 DEFAULT_WINDOW = 4
 DEFAULT_STALL_S = 10.0
 MAX_TRANSFERS = 64
@@ -252,9 +252,10 @@ class ReplicaServer:
             if msg.offset != xfer.verifier.received:
                 raise WireError("order", f"chunk at {msg.offset}, expected "
                                 f"{xfer.verifier.received}")
+            # credit first: the sender's next chunk travels while this one is checked
+            self._send(ident, Message("ack", msg.rank, offset=msg.offset))
             xfer.verifier.feed(msg.payload)
             xfer.writer.write(msg.offset, msg.payload)
-            self._send(ident, Message("ack", msg.rank, offset=msg.offset))
         elif msg.op == "commit":
             commit = xfer.writer.commit(xfer.verifier.finish(msg.payload))
             del self._xfers[ident]
@@ -543,9 +544,10 @@ def _fetch(peer: _Peer, rank: int, dest_dir: str | os.PathLike[str],
             chunk = peer.recv(rank, "data")
             if chunk.offset != verifier.received:
                 raise _Fail(f"order: chunk at {chunk.offset}, expected {verifier.received}")
+            if verifier.received + len(chunk.payload) < head.size:
+                peer.send(Message("ack", rank, offset=chunk.offset))  # credit first
             verifier.feed(chunk.payload)
             writer.write(chunk.offset, chunk.payload)
-            peer.send(Message("ack", rank, offset=chunk.offset))
         commit = verifier.finish(peer.recv(rank, "commit").payload)
         writer.commit(commit)
     finally:

@@ -39,7 +39,7 @@ from bench import machine_info  # noqa: E402
 from snapshot_cost import TENSORS, restore_in_new_process, state_of  # noqa: E402
 
 from ft_agent.snapshot import SnapshotStore, load  # noqa: E402
-from ft_launcher.snapshots.replica import fetch, push  # noqa: E402
+from ft_launcher.snapshots.replica import DEFAULT_CHUNK, DEFAULT_WINDOW, fetch, push  # noqa: E402
 
 TOKEN = "b0" * 16
 SERVER = ("import sys, time; from ft_launcher.snapshots.replica import ReplicaServer; "
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                                          *(argv if argv is not None else sys.argv[1:])]),
                   "state": {"mb": args.mb, "dtype": "float32", "tensors": TENSORS,
                             "stores": "/dev/shm (tmpfs)", "transport": "ZeroMQ TCP loopback",
-                            "chunk_bytes": 4 * 2**20, "window": 4},
+                            "chunk_bytes": DEFAULT_CHUNK, "window": DEFAULT_WINDOW},
                   "replica": measure(args.mb, args.runs, root)}
     finally:
         shutil.rmtree(root, ignore_errors=True)
