@@ -307,6 +307,11 @@ def test_a_corrupted_replica_is_never_loaded(nodes, tmp_path):
     snap = load(dest)
     assert snap.iteration == 1 and same(snap.state, make_state(1, 4))
     assert load(dest).rejected == []
+    # the corrupt copy was uncommitted on the buddy, so the next push of it is taken
+    assert not (rank_dir / commit_file(newest)).exists()
+    again = a.ask(op="push", dir=src, rank=0, endpoint=b.endpoint)
+    assert again["ok"] and not again["skipped"], again
+    assert same(load(rank_dir).state, make_state(2, 4))
 
 
 def test_fetched_copy_is_checked_again_by_load(nodes, tmp_path):

@@ -34,7 +34,7 @@ from typing import Any
 
 import zmq
 
-from ft_agent.snapshot import available_iterations, open_dir
+from ft_agent.snapshot import available_iterations, commit_file, open_dir
 from ft_agent.snapshot_format import SnapshotError
 from ft_launcher.snapshots.replica_disk import SlotReader, SlotWriter, rank_dir_name
 from ft_launcher.snapshots.replica_wire import (
@@ -331,14 +331,29 @@ class ReplicaServer:
             xfer.verifier.finish(xfer.reader.commit_bytes)
         except WireError as e:
             self._bad.add((xfer.rank, c.slot, c.seq))
-            log.warning("replica of rank %d iteration %d (slot %s) failed its check: %s",
-                        xfer.rank, c.iteration, c.slot, e)
+            log.warning("replica of rank %d iteration %d (slot %s) failed its check: %s; "
+                        "uncommitted", xfer.rank, c.iteration, c.slot, e)
+            self._uncommit(xfer.rank, c.slot)
             raise WireError("checksum", f"replica of iteration {c.iteration} is corrupt "
                             f"({e.reason}); not offered again") from None
         self._send(ident, Message("commit", xfer.rank, payload=xfer.reader.commit_bytes))
         del self._xfers[ident]
         xfer.reader.close()
         self.stats["sent"] += 1
+
+    def _uncommit(self, rank: int, slot: str) -> None:
+        """Remove a corrupt slot's commit record: it is neither offered nor counted as held
+        again, and the next push may overwrite it."""
+        try:
+            dir_fd = open_dir(self._rank_dir(rank))
+        except SnapshotError:
+            return
+        try:
+            os.unlink(commit_file(slot), dir_fd=dir_fd)
+        except OSError:
+            pass
+        finally:
+            os.close(dir_fd)
 
     # transfers that end badly ------------------------------------------------------------
 
