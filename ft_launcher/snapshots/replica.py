@@ -220,6 +220,10 @@ class ReplicaServer:
             self._fail(ident, msg.rank, str(e)[:250])
         except OSError as e:
             self._fail(ident, msg.rank, f"io: {e}"[:250])
+        except Exception as e:  # noqa: BLE001 - a bug here ends one transfer, not the server
+            log.exception("replica server: unexpected error on rank %d's %s", msg.rank, msg.op)
+            self.stats["internal_error"] += 1
+            self._fail(ident, msg.rank, f"error: {type(e).__name__}"[:250])
 
     def _dispatch(self, ident: bytes, msg: Message) -> None:
         if msg.op == "push":
