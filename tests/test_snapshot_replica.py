@@ -328,3 +328,25 @@ def test_fetched_copy_is_checked_again_by_load(nodes, tmp_path):
     with pytest.raises(SnapshotError) as e:
         load(dest)
     assert e.value.reason == "none" and "checksum" in e.value.rejected[0][1]
+
+
+def test_ring_of_three_nodes_survives_the_loss_of_any_one(nodes, tmp_path):
+    from ft_launcher.snapshots.buddy import buddies
+    names = ["n0", "n1", "n2"]
+    ring = {name: nodes(name) for name in names}
+    chosen = buddies(names, 1)
+    for rank, name in enumerate(names):
+        node, buddy = ring[name], ring[chosen[name][0]]
+        src = str(node.root / f"rank_{rank}")
+        assert node.ask(op="snapshot", dir=src, seed=100 + rank, mb=2, iteration=rank)["ok"]
+        assert node.ask(op="push", dir=src, rank=rank, endpoint=buddy.endpoint)["ok"]
+    ring["n1"].signal(signal.SIGKILL)  # n1 and its local snapshot of rank 1 are gone
+    holder = ring[chosen["n1"][0]]
+    assert holder is ring["n2"]
+    # a survivor (or a spare) taking rank 1 over restores it from the replica
+    dest = ring["n0"].root / "restored_rank_1"
+    got = ring["n0"].ask(op="fetch", endpoint=holder.endpoint, rank=1, dir=str(dest))
+    assert got["ok"] and got["iteration"] == 1, got
+    assert same(load(dest).state, make_state(101, 2))
+    # what n1 held (rank 0's replica) is lost with it, but rank 0's node still has its own
+    assert load(ring["n0"].root / "rank_0").iteration == 0
