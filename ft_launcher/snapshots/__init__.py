@@ -1,0 +1,1 @@
+"""Snapshots of the ranks' training state: local slots and their replicas on other nodes."""
