@@ -312,3 +312,55 @@ def test_service_rank_reports_become_events(tmp_path):
     assert evs[0] == ("snapshot_restored", {"rank": 1, "iteration": 4, "source": "local",
                                             "bytes": 8, "seconds": 0.01})
     assert evs[1][0] == "rank_report"
+
+
+# -- Lightning: the callback's snapshot and restore, on a real Trainer --------------------
+
+
+def test_lightning_state_round_trips_through_a_snapshot(tmp_path):
+    pl = pytest.importorskip("lightning.pytorch")
+    from ft_agent.lightning import restore_fit_state, snapshot_fit_state
+
+    class Module(pl.LightningModule):
+        def __init__(self, seed: int) -> None:
+            super().__init__()
+            torch.manual_seed(seed)
+            self.layer = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.layer(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    class Hook(pl.Callback):
+        def __init__(self, client) -> None:
+            self.client, self.restored, self.at_start = client, None, None
+
+        def on_train_start(self, trainer, module):
+            self.restored = restore_fit_state(self.client, trainer, module)
+            self.at_start = module.layer.weight.detach().clone()
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            snapshot_fit_state(self.client, trainer, module, 2)
+            if self.client.store is not None:
+                self.client.store.wait()
+
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(16, 4)),
+                                       batch_size=2)
+    kw = {"accelerator": "cpu", "logger": False, "enable_checkpointing": False,
+          "enable_progress_bar": False, "enable_model_summary": False,
+          "default_root_dir": str(tmp_path)}
+    first, _ = agent(tmp_path / "r0", every="1")
+    module = Module(0)
+    pl.Trainer(max_steps=4, callbacks=[Hook(first)], **kw).fit(module, data)
+    first.close()
+    assert store.available_iterations(tmp_path / "r0") == [2, 4]
+    second, sent = agent(tmp_path / "r0", iteration=4)
+    hook = Hook(second)
+    trainer = pl.Trainer(max_steps=6, callbacks=[hook], **kw)
+    trainer.fit(Module(1), data)
+    second.close()
+    assert hook.restored == 4 and torch.equal(hook.at_start, module.layer.weight.detach())
+    assert trainer.global_step == 6  # two more steps: the counter resumed at 4
+    assert sent[0]["kind"] == "restored"
