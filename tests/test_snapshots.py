@@ -364,3 +364,49 @@ def test_lightning_state_round_trips_through_a_snapshot(tmp_path):
     assert hook.restored == 4 and torch.equal(hook.at_start, module.layer.weight.detach())
     assert trainer.global_step == 6  # two more steps: the counter resumed at 4
     assert sent[0]["kind"] == "restored"
+
+
+# -- the goodput ledger: a restored snapshot is where the lost work starts ----------------
+
+
+def test_ledger_counts_work_lost_from_the_restored_snapshot():
+    from ft_launcher.observe.ledger import ledger_of
+    from ft_launcher.observe.report import resume_lines
+
+    t0 = 1_800_000_000.0
+
+    def rec(t, event, cycle, **fields):
+        return {"ts": t0 + t, "event": event, "cycle": cycle, **fields}
+
+    def run(restored: int | None) -> dict:
+        records = [
+            rec(0, "launcher_started", 0), rec(0.5, "rendezvous_done", 0),
+            rec(1, "workers_started", 0, ranks=[0, 1]),
+            rec(3, "first_step", 0, rank=0, iteration=1),
+            rec(3, "first_step", 0, rank=1, iteration=1),
+            rec(8, "checkpoint_saved", 0, rank=0, iteration=50),
+            rec(12.5, "fault_injected", 0, rank=1, fault_type="rank_killed", at=t0 + 12.5),
+            rec(12.6, "worker_exited", 0, rank=1, exit_code=None, signal="SIGKILL",
+                stopped_by_launcher=False),
+            rec(13, "last_progress", 0, rank=0, iteration=120, at=t0 + 12.45),
+            rec(13, "last_progress", 0, rank=1, iteration=119, at=t0 + 12.4),
+            rec(13.1, "decision", 0, outcome="failed", restart=True, reason="rank 1 failed"),
+            rec(13.2, "restart", 1, restarts=1, reason="rank 1 failed"),
+            rec(13.7, "rendezvous_done", 1),
+            rec(13.8, "snapshot_picked", 1, iteration=restored, reason="r"),
+            rec(14, "workers_started", 1, ranks=[0, 1]),
+            rec(16, "first_step", 1, rank=0, iteration=(restored or 50) + 1),
+            rec(24, "last_progress", 1, rank=0, iteration=200, at=t0 + 23.5),
+            rec(24.5, "decision", 1, outcome="succeeded", restart=False, reason="done"),
+            rec(25, "launcher_exited", 1, exit_code=0, reason="done"),
+        ]
+        return ledger_of(records).summary()
+
+    with_snapshot, without = run(119), run(None)
+    c0 = with_snapshot["attempts"][0]["cycles"][0]
+    assert (c0["checkpoint_step"], c0["checkpoint_source"]) == (119, "snapshot")
+    assert c0["work_lost_steps"] == 1 and c0["work_lost_s"] == pytest.approx(0.1)
+    assert "from its snapshot of step 119" in resume_lines(with_snapshot)[0]
+    d0 = without["attempts"][0]["cycles"][0]
+    assert (d0["checkpoint_step"], d0["checkpoint_source"]) == (50, "checkpoint")
+    assert d0["work_lost_steps"] == 70 and d0["work_lost_s"] == pytest.approx(4.5)
