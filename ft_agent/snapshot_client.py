@@ -130,7 +130,10 @@ class SnapshotAgent:
         except store.SnapshotError as e:
             for slot, reason in e.rejected:
                 self._send("rejected", iteration=iteration, slot=slot, reason=reason[:500])
-                store.uncommit(self.settings.directory, slot)
+                try:
+                    store.uncommit(self.settings.directory, slot)
+                except (store.SnapshotError, OSError) as exc:
+                    log.warning("cannot discard snapshot slot %s: %s", slot, exc)
             # Every other rank restores this iteration: going on from elsewhere would split
             # the world. Failing makes the launcher choose again, without this copy.
             raise

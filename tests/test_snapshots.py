@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 import stat
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -410,3 +412,11 @@ def test_ledger_counts_work_lost_from_the_restored_snapshot():
     d0 = without["attempts"][0]["cycles"][0]
     assert (d0["checkpoint_step"], d0["checkpoint_source"]) == (50, "checkpoint")
     assert d0["work_lost_steps"] == 70 and d0["work_lost_s"] == pytest.approx(4.5)
+
+
+def test_the_launcher_and_import_ft_agent_stay_without_torch():
+    code = ("import sys, ft_agent, ft_agent.client, ft_agent.snapshot, ft_launcher.cli, "
+            "ft_launcher.cycle, ft_launcher.snapshots.service; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60,
+                   cwd=Path(__file__).resolve().parent.parent)

@@ -8,9 +8,12 @@
   iteration, discards the rest and gives each rank its environment; it turns the ranks'
   reports into events.
 
-Several nodes: each launcher knows only its own ranks' copies. ``service.JobSnapshots``
-takes the agreement as a ``Agreement`` callable (this node's per-rank iterations in, the
-whole world's out); the single-node one is the identity. Replication to other nodes
-(``--ft-snapshot-replicas``) is to be a module of its own here that adds copies a rank may
-restore from (``source`` "replica").
+Several nodes: each launcher knows only its own ranks' copies, so with more than one node
+``begin_cycle`` restores nothing yet (``snapshot_picked`` says so). The seam for it:
+``pick.choose`` and ``pick.pick_iteration`` work on any mapping of ranks, so the missing
+piece is an exchange of each node's checked per-rank iterations through the rendezvous
+store, with ``pick_iteration`` applied to the union, in place of the single-node branch of
+``JobSnapshots.begin_cycle``. Replication to other nodes (``--ft-snapshot-replicas``) is to
+be a module of its own here that adds copies a rank may restore from (``source``
+"replica").
 """
