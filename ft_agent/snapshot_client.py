@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import time
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -183,9 +182,8 @@ class SnapshotMixin:
                 return None
             settings = settings_from_env(os.environ)
             if settings is None:
-                warnings.warn("ft_agent: the launcher keeps no snapshots (see "
-                              "--ft-snapshot-every); snapshot() and restore() do nothing",
-                              RuntimeWarning, stacklevel=4)
+                log.info("the launcher keeps no snapshots (see --ft-snapshot-every): "
+                         "snapshot() and restore() do nothing")
                 return None
             self._snapshots = SnapshotAgent(settings, self.send_report)  # type: ignore[attr-defined]
         return self._snapshots
