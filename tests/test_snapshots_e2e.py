@@ -3,16 +3,30 @@
 A rank SIGKILLed or hung: the next cycle resumes from the newest step every rank holds a
 snapshot of, at most one step behind the last step the world completed (the disk
 checkpoint is far older). A snapshot corrupted between cycles: rejected by the launcher,
-never loaded, and the training resumes from the disk checkpoint.
+never loaded, and the training resumes from the disk checkpoint. A launcher stopped by
+SIGTERM removes the snapshots.
 """
 
 from __future__ import annotations
 
 import re
+import signal
+import subprocess
 from pathlib import Path
 
 import pytest
-from launch_helpers import EXAMPLES, SCRIPTS, events, named, run_launcher, summary
+from launch_helpers import (
+    EXAMPLES,
+    ROOT,
+    SCRIPTS,
+    events,
+    finish,
+    launcher_cmd,
+    named,
+    run_launcher,
+    summary,
+    wait_for,
+)
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -87,3 +101,23 @@ def test_corrupt_snapshot_is_rejected_and_the_disk_checkpoint_used(tmp_path: Pat
     assert picked[0]["iteration"] is None
     assert not [e for e in named(evs, "snapshot_restored") if e["cycle"] == 1]
     assert resumed(run_dir, 0, 1) == resumed(run_dir, 1, 1) == ("disk", 10)
+
+
+def test_sigterm_to_the_launcher_removes_the_snapshots(tmp_path: Path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(launcher_cmd(run_dir, "--nproc-per-node", "2", *FAST_STOP,
+                                         *SNAPSHOTS, TRAIN_DDP, "--steps", "100000",
+                                         "--step-time", "0.05"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=ROOT)
+    try:
+        ready = wait_for(lambda: named(events(run_dir), "snapshots_ready"), 60, "snapshots")
+        area = Path(ready[0]["path"])
+        wait_for(lambda: list(area.glob("rank_*/commit_*.json")), 60, "a committed snapshot")
+        proc.send_signal(signal.SIGTERM)
+        finish(proc, 60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert not area.exists()
