@@ -420,3 +420,18 @@ def test_the_launcher_and_import_ft_agent_stay_without_torch():
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60,
                    cwd=Path(__file__).resolve().parent.parent)
+
+
+def test_a_write_in_flight_does_not_keep_the_process_alive(tmp_path):
+    # 80 MB: the background write is still running when the script's last line returns.
+    code = ("import torch, time; from ft_agent.client import RankMonitorClient\n"
+            "c = RankMonitorClient()\n"
+            "s = c.snapshot({'w': torch.ones(20_000_000)}, 1)\n"
+            "assert s.started, s\n"
+            "print('busy' if c._snapshots.store._busy() else 'done', flush=True)\n")
+    env = {**os.environ, "FT_ENDPOINT": "ipc:///nonexistent", "FT_SNAPSHOT_EVERY": "1",
+           "FT_SNAPSHOT_DIR": str(tmp_path / "r0"), "FT_SNAPSHOT_ITERATION": "none"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=60, cwd=Path(__file__).resolve().parent.parent)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() in ("busy", "done")
