@@ -112,7 +112,9 @@ def measure(mb: int, runs: int, root: Path) -> dict[str, Any]:
             "runs": per_run, "restore_new_process_s": fresh, "median": med}
 
 
-LOAD_CHILD = "import sys; from ft_agent.snapshot import load; print(load(sys.argv[1]).seconds)"
+# torch first, as in a rank: ft_agent.snapshot imports it on first use, not at its import.
+LOAD_CHILD = ("import sys, torch; from ft_agent.snapshot import load; "
+              "print(load(sys.argv[1]).seconds)")
 
 
 def restore_in_new_process(directory: Path) -> float:
