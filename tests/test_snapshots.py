@@ -16,13 +16,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ft_agent import snapshot as store
 from ft_agent.client import RankMonitorClient
 from ft_agent.snapshot_client import Frequency, SnapshotAgent, settings_from_env
 from ft_launcher.config import ConfigError, parse_ft_value
 from ft_launcher.snapshots import reports
-from ft_launcher.snapshots.area import Area, AreaRefused, area_name, check_leftover
+from ft_launcher.snapshots.area import (
+    Area,
+    AreaRefused,
+    area_name,
+    check_leftover,
+    default_root,
+)
 from ft_launcher.snapshots.pick import Choice, Copy, choose, pick_iteration, to_discard
 from ft_launcher.snapshots.service import JobSnapshots, SnapshotOptions
 
@@ -435,3 +443,28 @@ def test_a_write_in_flight_does_not_keep_the_process_alive(tmp_path):
                          timeout=60, cwd=Path(__file__).resolve().parent.parent)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() in ("busy", "done")
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                max_size=4), max_leaves=20)
+
+
+@given(kind=st.sampled_from(["skipped", "restored", "rejected", "other"]),
+       fields=st.dictionaries(st.sampled_from(["iteration", "reason", "bytes", "count",
+                                               "source", "seconds", "slot", "event"]),
+                              JSON_VALUES, max_size=8))
+@settings(max_examples=300, deadline=None)
+def test_reports_decode_never_raises_and_keeps_only_checked_fields(kind, fields):
+    decoded = reports.decode(json.dumps({"kind": kind, **fields}))
+    if decoded is not None:
+        name, out = decoded
+        assert name.startswith("snapshot_") and "event" not in out
+        assert all(v is not None for v in out.values())
+
+
+def test_area_falls_back_to_the_run_directory_without_shared_memory(tmp_path):
+    assert default_root(tmp_path / "ipc", shm=tmp_path / "no-shm") == tmp_path / "ipc"
+    (tmp_path / "shm").mkdir()
+    assert default_root(tmp_path / "ipc", shm=tmp_path / "shm") == tmp_path / "shm"
