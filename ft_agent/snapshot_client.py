@@ -92,6 +92,7 @@ class SnapshotAgent:
         self.store: Any = None  # ft_agent.snapshot.SnapshotStore
         self.last: tuple[int, float] | None = None
         self.restored = False
+        self.broken = False  # the directory was refused: no snapshots for this process
         self._skips: dict[str, tuple[int, float]] = {}  # reason -> (count, last report)
         self._write_seen: Any = None
 
@@ -103,8 +104,16 @@ class SnapshotAgent:
         if not self.settings.frequency.due(iteration, now, self.last):
             return None
         if self.store is None:
-            self.store = store.SnapshotStore(self.settings.directory,
-                                             memory_budget=self.settings.memory)
+            if self.broken:
+                return None
+            try:
+                self.store = store.SnapshotStore(self.settings.directory,
+                                                 memory_budget=self.settings.memory)
+            except store.SnapshotError as e:  # the training goes on without snapshots
+                self.broken = True
+                log.warning("snapshots off for this rank: %s", e)
+                self._skipped(iteration, "io", 0, now)
+                return None
         self._check_last_write()
         try:
             status = self.store.snapshot(state, iteration)

@@ -468,3 +468,13 @@ def test_area_falls_back_to_the_run_directory_without_shared_memory(tmp_path):
     assert default_root(tmp_path / "ipc", shm=tmp_path / "no-shm") == tmp_path / "ipc"
     (tmp_path / "shm").mkdir()
     assert default_root(tmp_path / "ipc", shm=tmp_path / "shm") == tmp_path / "shm"
+
+
+def test_agent_goes_on_without_snapshots_when_its_directory_is_refused(tmp_path):
+    bad = tmp_path / "r0"
+    bad.mkdir(mode=0o755)
+    os.chmod(bad, 0o755)
+    a, sent = agent(bad)
+    assert a.snapshot({"w": torch.zeros(2)}, 1) is None
+    assert a.snapshot({"w": torch.zeros(2)}, 2) is None
+    assert sent == [{"kind": "skipped", "iteration": 1, "reason": "io", "bytes": 0, "count": 1}]
