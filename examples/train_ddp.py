@@ -45,6 +45,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--hang-rank", type=int, default=1)
     p.add_argument("--fail-at-step", type=int, default=None,
                    help="rank --hang-rank exits 3 at this step (first cycle only)")
+    p.add_argument("--snapshot-every", type=int, default=1,
+                   help="offer a snapshot every N steps (the launcher's "
+                        "--ft-snapshot-every decides which are taken)")
     p.add_argument("--sections", action="store_true", help="time each step as a section")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
@@ -91,13 +94,7 @@ def main() -> None:
     torch.manual_seed(args.seed)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1)).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    start = 0
-    if ckpt_path.exists():
-        state = torch.load(ckpt_path, weights_only=True, map_location=device)
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["opt"])
-        start = state["step"]
-        print(f"rank {rank} cycle {cycle}: resumed from step {start}", flush=True)
+    start = resume(ft, model, opt, ckpt_path, device, f"rank {rank} cycle {cycle}")
     ddp = DistributedDataParallel(model) if dist.is_initialized() else model
 
     loss = torch.tensor(0.0, device=device)
@@ -117,6 +114,8 @@ def main() -> None:
             time.sleep(args.step_time)
         if args.sections:
             ft.end_section("step")
+        if step % args.snapshot_every == 0:  # copied to host memory, written in the background
+            ft.snapshot({"model": model.state_dict(), "opt": opt.state_dict()}, step)
         ft.send_heartbeat()
         ft.report_progress(step)  # the launcher's goodput ledger counts steps from these
         print(f"rank {rank} cycle {cycle} step {step} loss {loss.item():.6f}", flush=True)
@@ -136,6 +135,26 @@ def main() -> None:
     ft.shutdown_workload_monitoring()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def resume(ft: RankMonitorClient, model: nn.Module, opt: torch.optim.Optimizer,
+           ckpt_path: Path, device: torch.device, who: str) -> int:
+    """Load the newest state: the in-memory snapshot every rank holds, else the disk
+    checkpoint, else nothing; the step to continue after."""
+    restored = ft.restore()
+    if restored is not None:
+        state, step = restored
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        print(f"{who}: resumed from snapshot step {step}", flush=True)
+        return step
+    if ckpt_path.exists():
+        state = torch.load(ckpt_path, weights_only=True, map_location=device)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        print(f"{who}: resumed from step {state['step']}", flush=True)
+        return state["step"]
+    return 0
 
 
 def should_stop(requested: bool, world: int, device: torch.device) -> bool:

@@ -30,6 +30,7 @@ from ft_agent.nvrx_types import (
     WorkloadAction,
     WorkloadControlRequest,
 )
+from ft_agent.snapshot_client import SnapshotMixin
 
 log = logging.getLogger("ft_agent")
 
@@ -45,7 +46,7 @@ class RankMonitorClientError(RuntimeError):
     """The monitor refused this rank or did not answer a request."""
 
 
-class RankMonitorClient:
+class RankMonitorClient(SnapshotMixin):
     """Heartbeats, sections, timeout calculation and reports for one rank.
 
     Not thread-safe for concurrent use from several threads without the internal lock;

@@ -183,6 +183,38 @@ def training_completed(trainer: Trainer) -> bool:
     return isinstance(max_epochs, int) and max_epochs > 0 and trainer.current_epoch >= max_epochs
 
 
+def snapshot_fit_state(client: Any, trainer: Trainer, pl_module: LightningModule,
+                       every: int | None) -> Any:
+    """Every ``every`` steps, offer the module's and optimizers' state to
+    ``client.snapshot`` (the launcher's ``--ft-snapshot-every`` decides whether it is
+    taken); its status, or None."""
+    if not every or trainer.global_step % every:
+        return None
+    state = {"model": pl_module.state_dict(),
+             "optimizers": [opt.state_dict() for opt in trainer.optimizers]}
+    return client.snapshot(state, trainer.global_step)
+
+
+def restore_fit_state(client: Any, trainer: Trainer, pl_module: LightningModule) -> int | None:
+    """Load the snapshot the launcher chose for this cycle into the module and optimizers
+    and move the step counter there, when it is newer than where ``fit`` starts (a disk
+    checkpoint already loaded); the step restored, or None."""
+    restored = client.restore()
+    if restored is None or restored[1] <= trainer.global_step:
+        return None
+    state, step = restored
+    pl_module.load_state_dict(state["model"])
+    for opt, opt_state in zip(trainer.optimizers, state["optimizers"], strict=True):
+        opt.load_state_dict(opt_state)
+    loop = trainer.fit_loop.epoch_loop
+    # global_step counts optimizer steps: set where Lightning keeps them.
+    if pl_module.automatic_optimization:
+        loop.automatic_optimization.optim_progress.optimizer.step.total.completed = step
+    else:
+        loop.manual_optimization.optim_step_progress.total.completed = step
+    return step
+
+
 def _cycle() -> int:
     try:
         return int(os.environ.get("FT_CYCLE") or os.environ.get("TORCHELASTIC_RESTART_COUNT")
@@ -210,6 +242,8 @@ class FaultToleranceCallback(Callback):
             Must be the same for every job of a training (a logger that adds a new
             ``version_N`` directory per job changes ``trainer.log_dir``).
         logger_name: the ``logging`` logger this callback writes to.
+        snapshot_every_n_steps: offer model and optimizer state to the launcher's in-memory
+            snapshots every N steps, and resume from them at fit start (docs/snapshots.md).
     """
 
     def __init__(
@@ -219,6 +253,7 @@ class FaultToleranceCallback(Callback):
         simulated_fault_params: SimulatedFaultParams | Mapping[str, Any] | None = None,
         exp_dir: str | os.PathLike[str] | None = None,
         logger_name: str = "nemo_logger.FaultToleranceCallback",
+        snapshot_every_n_steps: int | None = None,
     ) -> None:
         super().__init__()
         self.autoresume = bool(autoresume)
@@ -235,6 +270,7 @@ class FaultToleranceCallback(Callback):
         self._fault_armed = False
         self._cancel_fault = threading.Event()
         self._original_save: Callable[..., Any] | None = None
+        self.snapshot_every_n_steps = snapshot_every_n_steps
 
     # -- properties ------------------------------------------------------------------------
 
@@ -289,7 +325,9 @@ class FaultToleranceCallback(Callback):
             self.client.shutdown_workload_monitoring()
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Heartbeat, and start the simulated fault's clock."""
+        """Heartbeat, resume from a snapshot, and start the simulated fault's clock."""
+        if self.snapshot_every_n_steps and self.client is not None:
+            restore_fit_state(self.client, trainer, pl_module)
         self._heartbeat()
         if self.is_initialized and self.simulated_fault_params and not self._fault_armed:
             self._fault_armed = True
@@ -307,6 +345,7 @@ class FaultToleranceCallback(Callback):
         self._train_iters += 1
         if self._active and self.client is not None:
             self.client.report_progress(trainer.global_step)  # implies a heartbeat
+            snapshot_fit_state(self.client, trainer, pl_module, self.snapshot_every_n_steps)
         self._heartbeat()
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:

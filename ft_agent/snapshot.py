@@ -25,13 +25,10 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
+from ft_agent import snapshot_format as fmt
 from ft_agent.snapshot_format import (
-    DTYPE_NAMES,
-    DTYPES,
     MAX_COMMIT_BYTES,
     PREFIX,
     Commit,
@@ -46,6 +43,9 @@ from ft_agent.snapshot_format import (
     parse_prefix,
 )
 
+if TYPE_CHECKING:
+    import torch
+
 log = logging.getLogger(__name__)
 
 SLOTS = ("a", "b")
@@ -54,8 +54,8 @@ FILE_MODE = 0o600
 _WRITE_CHUNK = 64 * 2**20
 
 __all__ = [
-    "Snapshot", "SnapshotError", "SnapshotStatus", "SnapshotStore", "WriteResult",
-    "available_iterations", "latest", "load",
+    "Snapshot", "SnapshotError", "SnapshotStatus", "SnapshotStore", "SlotInfo", "WriteResult",
+    "available_iterations", "committed_slots", "latest", "load", "uncommit", "verify_slot",
 ]
 
 
@@ -235,6 +235,8 @@ def _read_header(fd: int, size: int, commit: Commit, name: str) -> Header:
 
 
 def _read_tensors(fd: int, header: Header, commit: Commit, name: str) -> list[torch.Tensor]:
+    import torch  # noqa: PLC0415 - torch only where tensors are read
+
     out = []
     for i, spec in enumerate(header.tensors):
         raw = torch.empty(spec.nbytes, dtype=torch.uint8)
@@ -243,7 +245,7 @@ def _read_tensors(fd: int, header: Header, commit: Commit, name: str) -> list[to
         _read_exact(fd, view, name)
         if zlib.crc32(view) != commit.crcs[i]:
             raise SnapshotError("checksum", f"{name}: tensor {i} checksum mismatch")
-        t = raw.view(DTYPES[spec.dtype]).reshape(spec.shape)
+        t = raw.view(fmt.DTYPES[spec.dtype]).reshape(spec.shape)
         if not commit.nonfinite[i] and has_nonfinite(t):
             raise SnapshotError("nonfinite", f"{name}: tensor {i} holds NaN/Inf, which it "
                                 "did not when snapshotted")
@@ -254,6 +256,8 @@ def _read_tensors(fd: int, header: Header, commit: Commit, name: str) -> list[to
 def has_nonfinite(t: torch.Tensor) -> bool:
     """Whether a tensor holds NaN or Inf (cheap: a sum first, the exact test only if the
     sum is not finite, which overflow alone can also cause)."""
+    import torch  # noqa: PLC0415
+
     if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
         return False
     if bool(torch.isfinite(t.sum())):
@@ -326,6 +330,109 @@ def available_iterations(directory: str | os.PathLike[str]) -> list[int]:
 
     try:
         return _guard(check)
+    finally:
+        os.close(dir_fd)
+
+
+@dataclass(frozen=True)
+class SlotInfo:
+    """A committed slot whose file matches its commit record (size, header checksum)."""
+
+    slot: str
+    iteration: int
+    seq: int
+    bytes: int
+
+
+def committed_slots(directory: str | os.PathLike[str]
+                    ) -> tuple[list[SlotInfo], list[tuple[str, str]]]:
+    """The committed slots of ``directory`` that pass the cheap checks (as
+    ``available_iterations``), and (slot, reason) for each committed one that does not.
+    A missing directory has none; an untrusted one raises ``SnapshotError``. No torch."""
+    try:
+        dir_fd = open_dir(directory)
+    except SnapshotError as e:
+        if e.reason == "missing":
+            return [], []
+        raise
+
+    def check() -> tuple[list[SlotInfo], list[tuple[str, str]]]:
+        good, bad = [], []
+        for slot, commit in _commits(dir_fd).items():
+            if isinstance(commit, SnapshotError):
+                if commit.reason != "missing":
+                    bad.append((slot, str(commit)))
+                continue
+            try:
+                fd, st = _open_read(dir_fd, slot_file(slot))
+                try:
+                    _read_header(fd, st.st_size, commit, slot_file(slot))
+                finally:
+                    os.close(fd)
+            except SnapshotError as e:
+                bad.append((slot, str(e)))
+                continue
+            except OSError as e:
+                bad.append((slot, f"io: {e}"))
+                continue
+            good.append(SlotInfo(slot, commit.iteration, commit.seq, commit.tensor_bytes))
+        return good, bad
+
+    try:
+        return _guard(check)
+    finally:
+        os.close(dir_fd)
+
+
+def verify_slot(directory: str | os.PathLike[str], slot: str) -> str | None:
+    """Check every tensor of a committed slot against its CRC32 without loading it (and
+    without torch: the launcher calls this); None when whole, else why not."""
+    try:
+        dir_fd = open_dir(directory)
+    except SnapshotError as e:
+        return str(e)
+    try:
+        _guard(lambda: _verify_from(dir_fd, slot))
+    except SnapshotError as e:
+        return str(e)
+    finally:
+        os.close(dir_fd)
+    return None
+
+
+def _verify_from(dir_fd: int, slot: str) -> None:
+    commit = _read_commit(dir_fd, slot)
+    name = slot_file(slot)
+    fd, st = _open_read(dir_fd, name)
+    try:
+        header = _read_header(fd, st.st_size, commit, name)
+        chunk = bytearray(min(_WRITE_CHUNK, max((t.nbytes for t in header.tensors),
+                                                default=0)))
+        for i, spec in enumerate(header.tensors):
+            crc, done = 0, 0
+            while done < spec.nbytes:
+                n = min(len(chunk), spec.nbytes - done)
+                view = memoryview(chunk)[:n]
+                os.lseek(fd, spec.offset + done, os.SEEK_SET)
+                _read_exact(fd, view, name)
+                crc = zlib.crc32(view, crc)
+                done += n
+            if crc != commit.crcs[i]:
+                raise SnapshotError("checksum", f"{name}: tensor {i} checksum mismatch")
+    except OSError as e:
+        raise SnapshotError("io", f"{name}: {e}") from None
+    finally:
+        os.close(fd)
+
+
+def uncommit(directory: str | os.PathLike[str], slot: str) -> None:
+    """Remove a slot's commit record, so nothing loads it again (its bytes stay, to be
+    overwritten by a later snapshot)."""
+    dir_fd = open_dir(directory)
+    try:
+        os.unlink(commit_file(slot), dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass
     finally:
         os.close(dir_fd)
 
@@ -503,6 +610,8 @@ class SnapshotStore:
     def _copy(self, sources: list[torch.Tensor]) -> list[torch.Tensor]:
         """The blocking part: copy into the previous snapshot's host buffers where shape
         and dtype match (no fresh pages to fault in), else into new ones."""
+        import torch  # noqa: PLC0415
+
         old = self._buffers
         out = []
         for i, src in enumerate(sources):
@@ -532,7 +641,7 @@ class SnapshotStore:
 
     def _write_slot(self, job: _Job) -> int:
         self._unlink(commit_file(job.slot))
-        specs = [(DTYPE_NAMES[b.dtype], tuple(b.shape), b.numel() * b.element_size())
+        specs = [(fmt.DTYPE_NAMES[b.dtype], tuple(b.shape), b.numel() * b.element_size())
                  for b in job.buffers]
         head, placed, total = layout(job.iteration, job.tree, specs)
         crcs, nonfinite = [], []
@@ -570,20 +679,24 @@ class SnapshotStore:
 
 
 def _as_tensor(value: Any, index: int) -> torch.Tensor:
+    import torch  # noqa: PLC0415
+
     if not isinstance(value, torch.Tensor):
         try:
             value = torch.from_numpy(value)
         except (TypeError, ValueError) as e:
             raise SnapshotError("unsupported", f"numpy array {index}: {e}") from None
-    if value.layout != torch.strided or value.dtype not in DTYPE_NAMES:
+    if value.layout != torch.strided or value.dtype not in fmt.DTYPE_NAMES:
         raise SnapshotError("unsupported", f"tensor {index}: {value.dtype}/{value.layout} "
-                            f"(dense {', '.join(DTYPES)} only)")
+                            f"(dense {', '.join(fmt.DTYPE_SIZES)} only)")
     return value.detach()
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
     if t.numel() == 0:
         return memoryview(b"")
+    import torch  # noqa: PLC0415
+
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 

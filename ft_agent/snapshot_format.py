@@ -26,9 +26,10 @@ import math
 import struct
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 MAGIC = b"FTSNAP\r\n"
 VERSION = 1
@@ -43,24 +44,25 @@ MAX_TENSORS = 1_000_000
 MAX_NDIM = 32
 MAX_INT = 2**63 - 1
 
-DTYPES: dict[str, torch.dtype] = {
-    "float64": torch.float64,
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "complex128": torch.complex128,
-    "complex64": torch.complex64,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "int16": torch.int16,
-    "int8": torch.int8,
-    "uint64": torch.uint64,
-    "uint32": torch.uint32,
-    "uint16": torch.uint16,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
+# The allowed dtypes and their element sizes, without importing torch: the launcher checks
+# snapshots (``ft_agent.snapshot.verify``) in a process that never imports it.
+DTYPE_SIZES: dict[str, int] = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex128": 16, "complex64": 8,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1,
+    "uint64": 8, "uint32": 4, "uint16": 2, "uint8": 1, "bool": 1,
 }
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+def __getattr__(name: str) -> Any:
+    """``DTYPES`` (name -> torch dtype) and ``DTYPE_NAMES`` (its inverse), built on first
+    use: importing this module does not import torch."""
+    if name not in ("DTYPES", "DTYPE_NAMES"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import torch  # noqa: PLC0415 - only where tensors are handled
+
+    dtypes = {n: getattr(torch, n) for n in DTYPE_SIZES}
+    globals().update(DTYPES=dtypes, DTYPE_NAMES={v: k for k, v in dtypes.items()})
+    return globals()[name]
 
 # One key per tagged node of the structure; lists are plain JSON lists and scalars are
 # themselves, so no user value can be mistaken for a placeholder.
@@ -137,7 +139,8 @@ def encode_tree(value: Any, tensors: list[Any], path: str = "state", depth: int 
         return {TAG_FLOAT: "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
     if isinstance(value, (bytes, bytearray, memoryview)):
         return {TAG_BYTES: base64.b64encode(bytes(value)).decode("ascii")}
-    if isinstance(value, torch.Tensor):
+    torch = sys.modules.get("torch")  # a tensor exists only where torch was imported
+    if torch is not None and isinstance(value, torch.Tensor):
         tensors.append(value)
         return {TAG_TENSOR: len(tensors) - 1}
     if _is_ndarray(value):
@@ -303,7 +306,7 @@ def _tensor_spec(row: Any, i: int, pos: int, file_bytes: int) -> TensorSpec:
     if not (isinstance(row, list) and len(row) == 4):
         raise SnapshotError("format", f"tensor {i} is not [dtype, shape, offset, nbytes]")
     dtype, shape, offset, nbytes = row
-    if not isinstance(dtype, str) or dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
         raise SnapshotError("format", f"tensor {i}: dtype {str(dtype)[:40]!r} not allowed")
     if not isinstance(shape, list) or len(shape) > MAX_NDIM:
         raise SnapshotError("format", f"tensor {i}: shape is not a list of <= {MAX_NDIM} dims")
@@ -315,7 +318,7 @@ def _tensor_spec(row: Any, i: int, pos: int, file_bytes: int) -> TensorSpec:
     if offset + nbytes > file_bytes:
         raise SnapshotError("truncated", f"tensor {i} runs past the end of the file")
     numel = math.prod(dims)
-    if numel * torch.empty((), dtype=DTYPES[dtype]).element_size() != nbytes:
+    if numel * DTYPE_SIZES[dtype] != nbytes:
         raise SnapshotError("format", f"tensor {i}: {nbytes} bytes do not match its shape")
     return TensorSpec(dtype, dims, offset, nbytes)
 

@@ -171,6 +171,15 @@ FT_OPTIONS = [
     ("--ft-min-free-space", "min_free_space",
      "Free space the run directory needs to pass the health check: bytes or a size such as "
      "500MB (0 = no minimum) [100MB]."),
+    ("--ft-snapshot-every", "snapshot_every",
+     "Keep in-memory snapshots of the state ranks pass to ft_agent's snapshot(): every N "
+     "steps (5) or seconds (30s); a restart resumes from the newest one every rank holds "
+     "(off)."),
+    ("--ft-snapshot-memory", "snapshot_memory",
+     "Memory the snapshots may use on this node, shared by its ranks, e.g. 8GB; a "
+     "snapshot over a rank's share is skipped [half of /dev/shm's free space]."),
+    ("--ft-snapshot-replicas", "snapshot_replicas",
+     "Copies of each snapshot on other nodes (accepted; this version keeps none) [0]."),
 ]
 
 

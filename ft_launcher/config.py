@@ -62,6 +62,11 @@ class FaultToleranceConfig(agent_config.FaultToleranceConfig):
     health_checks: list[str] = field(default_factory=list)  # shell commands
     health_check_timeout: float = 30.0  # seconds, per check
     min_free_space: int = 100 * 2**20  # bytes free in the run directory; 0 = no minimum
+    # In-memory snapshots (ft_launcher/snapshots/): every N steps ("5") or seconds ("30s");
+    # None = off. Memory per node in bytes, None = half of the shared memory free at start.
+    snapshot_every: str | None = None
+    snapshot_memory: int | None = None
+    snapshot_replicas: int = 0
 
     @classmethod
     def parsers(cls) -> dict[str, Parser]:
@@ -159,6 +164,35 @@ def _parse_size(name: str, value: Any) -> int:
     return int(size * SIZE_UNITS[unit])
 
 
+def _parse_snapshot_every(name: str, value: Any) -> str | None:
+    """Steps (``5``) or seconds (``30s``) between snapshots; ``off``/``0``/none = off."""
+    text = "" if value is None else str(value).strip().lower()
+    if text in ("", "none", "off", "0"):
+        return None
+    if text.endswith("s"):
+        seconds = parse_number(name, text[:-1], low=0.0, high=1e6)
+        return f"{seconds:g}s"
+    try:
+        return str(parse_int(name, text, low=1, high=10**9))
+    except ConfigError:
+        raise ConfigError(f"{name}: expected steps (e.g. 5), seconds (e.g. 30s) or off, "
+                          f"got {value!r}") from None
+
+
+def _parse_snapshot_memory(name: str, value: Any) -> int | None:
+    text = "" if value is None else str(value).strip().lower()
+    if text in ("", "none", "auto"):
+        return None
+    size = _parse_size(name, value)
+    if size <= 0:
+        raise ConfigError(f"{name}: expected a size above 0 (or auto), got {value!r}")
+    return size
+
+
+def _parse_replicas(name: str, value: Any) -> int:
+    return parse_int(name, value, low=0, high=64)
+
+
 FT_PARSERS: dict[str, Parser] = {
     **agent_config.BASE_PARSERS,
     "state_path": _parse_optional_str,
@@ -179,6 +213,9 @@ FT_PARSERS: dict[str, Parser] = {
     "health_checks": _parse_commands,
     "health_check_timeout": _parse_positive_float,
     "min_free_space": _parse_size,
+    "snapshot_every": _parse_snapshot_every,
+    "snapshot_memory": _parse_snapshot_memory,
+    "snapshot_replicas": _parse_replicas,
 }
 assert set(FT_PARSERS) == {f.name for f in dataclasses.fields(FaultToleranceConfig)} - {
     "configured"}

@@ -34,6 +34,8 @@ from ft_launcher.process.worker_env import CycleEnv, visible_gpus, worker_env
 from ft_launcher.process.workers import Worker, WorkerGroup, WorkerSpec, handles_signal
 from ft_launcher.rundir import RunDir
 from ft_launcher.signals import SignalBox
+from ft_launcher.snapshots import reports as snapshot_reports
+from ft_launcher.snapshots.service import JobSnapshots, for_job
 from ft_launcher.stragglers import straggler_exchange
 from ft_launcher.stragglers.straggler import DETECTED, StragglerDetector
 from ft_launcher.watch import (
@@ -90,10 +92,13 @@ class CycleDeps:
     clock: Clock = field(default_factory=Clock)
     new_group: Callable[..., GroupPort] = WorkerGroup
     handles_signal: Callable[[int, int], bool] = handles_signal
+    snapshots: JobSnapshots | None = None  # None: from cfg (still None when they are off)
 
     def __post_init__(self) -> None:
         if self.wait is None:
             self.wait = socket_wait(self.monitor.socket, self.signals.wake_fd())
+        if self.snapshots is None:
+            self.snapshots = for_job(self.cfg, self.rundir, self.events)
 
 
 @dataclass
@@ -118,6 +123,7 @@ def plan_workers(d: CycleDeps, cycle: int, rnd: RoundInfo,
         cycle=cycle, device_map=d.job.device_map(), virtual_local_rank=cfg.virtual_local_rank,
         gpus=visible_gpus(os.environ, d.gpus) if d.gpus else (),
     )
+    snapshots = snapshot_env(d, rnd)
     plans = []
     for local_rank in range(cfg.nproc_per_node):
         rank = rnd.group_rank * cfg.nproc_per_node + local_rank
@@ -136,6 +142,7 @@ def plan_workers(d: CycleDeps, cycle: int, rnd: RoundInfo,
             nccl_trace.trace_dir(d.rundir.private)
             env.update(traces)
         env.update(rendezvous_env(d.rdzv.stop_fence_s, rnd))
+        env.update(snapshots.get(rank, {}))
         echo = cfg.redirects.get(local_rank, 0) == 0 or cfg.tee.get(local_rank, 0) != 0
         if cfg.local_ranks_filter is not None and local_rank not in cfg.local_ranks_filter:
             echo = False
@@ -143,6 +150,17 @@ def plan_workers(d: CycleDeps, cycle: int, rnd: RoundInfo,
                           d.rundir.rank_log(cycle, rank), echo)
         plans.append(RankPlan(spec, token, stack_file))
     return plans
+
+
+def snapshot_env(d: CycleDeps, rnd: RoundInfo) -> dict[int, dict[str, str]]:
+    """Per rank of this node, where its snapshots live and which iteration it restores
+    (ft_launcher.snapshots); empty when snapshots are off."""
+    if d.snapshots is None:
+        return {}
+    d.monitor.report_handlers[snapshot_reports.WHAT] = d.snapshots.on_report
+    n = d.cfg.nproc_per_node
+    return d.snapshots.begin_cycle([rnd.group_rank * n + i for i in range(n)],
+                                   rnd.group_world_size)
 
 
 def rendezvous_env(fence_s: float | None, rnd: RoundInfo) -> dict[str, str]:

@@ -128,6 +128,28 @@ EVENTS: dict[str, EventDoc] = {
     "stop_fence": EventDoc(
         "nodes", "a rank thawed after a long stop asked whether its round is still current",
         "rank, stopped_s, current, reason"),
+    # -- snapshots ----------------------------------------------------------------------
+    "snapshots_ready": EventDoc(
+        "snapshots", "the job's snapshot directory was made (a stale one of this job removed)",
+        "path, every, memory, rank_memory, replicas, stale_removed"),
+    "snapshots_off": EventDoc(
+        "snapshots", "the snapshot directory was refused or could not be made: the job runs "
+        "without snapshots", "reason, path"),
+    "snapshot_picked": EventDoc(
+        "snapshots", "at a cycle start: the iteration every rank restores (null: none, and "
+        "why), after checking each copy of it in full",
+        "iteration, reason, ranks (iterations held per rank), verified_bytes, seconds, "
+        "discarded ([rank, slot, iteration] of copies uncommitted)"),
+    "snapshot_restored": EventDoc(
+        "snapshots", "a rank loaded its snapshot (restore())",
+        "rank, iteration, source (local, replica), bytes, seconds"),
+    "snapshot_skipped": EventDoc(
+        "snapshots", "a rank's snapshot was not taken",
+        "rank, iteration, reason (budget, busy, io, unsupported), bytes, count (since the "
+        "last such event)"),
+    "snapshot_rejected": EventDoc(
+        "snapshots", "a copy failed its checks (checksum, size, format, NaN); never loaded",
+        "rank, iteration, slot, reason, by (launcher, rank)"),
     # -- warm restart -------------------------------------------------------------------
     "zygote_ready": EventDoc(
         "warm restart", "the zygote imported the preloads",

@@ -195,6 +195,8 @@ class Supervisor:
         if self.current is not None:
             self.current.abort()
         self.standbys.close()
+        if self.deps.snapshots is not None:
+            self.deps.snapshots.close()  # the job's snapshots go with it
         self.monitor.close()
         self.journal.close()
         # Close the rendezvous only when the job is over for every node; a node that

@@ -203,6 +203,7 @@ class Monitor(MonitorView):
         # drop this node, so every rank's round is current.
         self._fence_answer: FenceAnswer | None = None
         self._on_device_time: DeviceTime | None = None
+        self.report_handlers: dict[str, Callable[[int, str], None]] = {}  # what -> recorder
         self._handlers: dict[str, Callable[[RankSlot, dict[str, Any], float], None]] = {
             protocol.HEARTBEAT: self._on_heartbeat,
             protocol.SECTION_OPEN: self._on_section_open,
@@ -385,6 +386,9 @@ class Monitor(MonitorView):
         self.events("diagnosis", **record)
 
     def _on_report(self, slot: RankSlot, msg: dict[str, Any], now: float) -> None:
+        recorder = self.report_handlers.get(msg["what"])  # e.g. snapshots: events of their own
+        if recorder is not None:
+            return recorder(slot.rank, msg["message"])
         self.events("rank_report", rank=slot.rank, what=msg["what"][:100],
                     message=msg["message"][:8000])
         if msg["what"] == "simulated_fault":

@@ -11,7 +11,8 @@ run add up to its wall time exactly::
     rendezvous   start -> rendezvous_done
     spawn        rendezvous_done -> first step of every rank (spawn -> first step)
     productive   first step of every rank -> fault (or end of training), less work lost
-    work_lost    last checkpoint -> fault: training that has to be redone
+    work_lost    last checkpoint -> fault: training that has to be redone (the snapshot
+                 the next cycle restored counts as a checkpoint of its step)
     detection    fault -> detection (hang verdict, first failed exit, signal)
     teardown     detection -> last worker exit
     other        the rest: decision and bookkeeping, or after the training's last step
@@ -72,6 +73,7 @@ class _Cycle:
     checkpoints: list[tuple[float, int]] = field(default_factory=list)  # ts, iteration
     last_progress: dict[int, tuple[float, int]] = field(default_factory=dict)  # at, it
     live_step: int | None = None
+    restored: int | None = None  # the snapshot's step this cycle resumed from
     fault: dict[str, Any] | None = None  # the first injected fault
     hang: dict[str, Any] | None = None
     failed_exit: dict[str, Any] | None = None
@@ -130,6 +132,18 @@ class _Cycle:
         if self.decision is not None:
             return str(self.decision.get("outcome") or "other")
         return "other"
+
+    def time_of(self, iteration: int) -> float | None:
+        """When this cycle completed ``iteration``, interpolated between the steps it
+        reported (first steps, checkpoints, last steps); None without two of them."""
+        points = sorted({(it, ts) for ts, it in (*self.first_step.values(), *self.checkpoints,
+                                                 *self.last_progress.values())})
+        if len(points) < 2 or not points[0][0] <= iteration <= points[-1][0]:
+            return None
+        for (i0, t0), (i1, t1) in zip(points, points[1:], strict=False):
+            if i0 <= iteration <= i1:
+                return t0 if i1 == i0 else t0 + (t1 - t0) * (iteration - i0) / (i1 - i0)
+        return None  # pragma: no cover - the range check above covers every iteration
 
     def steps(self) -> tuple[int | None, int | None]:
         """(first iteration of the cycle, last iteration reported in it)."""
@@ -255,6 +269,9 @@ class Ledger:
         if it is not None:
             cyc.checkpoints.append((ts, it))
             self.uses_progress = True
+
+    def _on_snapshot_picked(self, att, cyc, rec, ts) -> None:
+        cyc.restored = _int(rec.get("iteration"))
 
     def _on_last_progress(self, att, cyc, rec, ts) -> None:
         rank, it = _int(rec.get("rank")), _int(rec.get("iteration"))

@@ -78,6 +78,7 @@ class CycleSummary:
     no_progress: bool | None
     phases_s: dict[str, float]
     marks: CycleMarks
+    checkpoint_source: str | None = None  # "checkpoint", or "snapshot" (restored from it)
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON-ready row."""
@@ -122,6 +123,14 @@ def _last_checkpoint(c: _Cycle, before: float) -> tuple[float, int] | None:
     return max(saved) if saved else None
 
 
+def _snapshot_kept(c: _Cycle, nxt: _Cycle | None) -> tuple[float, int] | None:
+    """(when, step) of the snapshot the next cycle restored, placed in this cycle's time."""
+    if nxt is None or nxt.restored is None:
+        return None
+    ts = c.time_of(nxt.restored)
+    return None if ts is None else (ts, nxt.restored)
+
+
 def _fault(c: _Cycle, detected: float | None) -> tuple[float | None, int | None, str | None]:
     """(time, rank, how it is known) of the cycle's fault; all None without one."""
     if detected is not None:
@@ -132,7 +141,8 @@ def _fault(c: _Cycle, detected: float | None) -> tuple[float | None, int | None,
 
 
 def _cut(c: _Cycle, end: float, detected: float | None, fault_ts: float | None,
-         train_ts: float | None, known: Knowledge) -> _Cut:
+         train_ts: float | None, known: Knowledge,
+         snapshot: tuple[float, int] | None = None) -> _Cut:
     """Consecutive boundaries, each clipped to [previous boundary, end of cycle]."""
     failed = detected is not None
 
@@ -148,6 +158,8 @@ def _cut(c: _Cycle, end: float, detected: float | None, fault_ts: float | None,
                        else train_ts, t_rdzv)
     t_stop = clip(stop_training if stop_training is not None else end, t_train)
     ckpt = _last_checkpoint(c, t_stop)
+    if snapshot is not None and snapshot[0] <= t_stop and (ckpt is None or snapshot[1] > ckpt[1]):
+        ckpt = snapshot  # the next cycle resumed from it: only what came after is lost
     work_lost = 0.0
     # Without any step or checkpoint reported, what was kept is unknown: the training
     # counts as productive (the summary says so with progress_reported false).
@@ -188,7 +200,8 @@ def summarize_cycle(c: _Cycle, nxt: _Cycle | None, attempt_end: float, first: bo
     failed = detected is not None
     fault_ts, fault_rank, fault_source = _fault(c, detected)
     train_ts, train_source = c.training_start()
-    cut = _cut(c, end, detected, fault_ts, train_ts, known)
+    kept = _snapshot_kept(c, nxt)
+    cut = _cut(c, end, detected, fault_ts, train_ts, known, kept)
     phases = cut.phases(c.start)
     first_it, last_it = c.steps()
     ckpt_it = cut.checkpoint[1] if cut.checkpoint else None
@@ -219,6 +232,8 @@ def summarize_cycle(c: _Cycle, nxt: _Cycle | None, attempt_end: float, first: bo
         phases_s={k: round(max(0.0, v), 6) for k, v in phases.items()},
         marks=CycleMarks(c.rendezvous_done, c.workers_started, train_ts, cut.stop,
                          cut.detected, cut.torn_down, end),
+        checkpoint_source=None if cut.checkpoint is None else
+        "snapshot" if cut.checkpoint == kept else "checkpoint",
     )
 
 

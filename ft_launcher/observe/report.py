@@ -238,7 +238,8 @@ def resume_lines(ledger: dict[str, Any]) -> list[str]:
             if first is None:
                 continue
             ckpt = c.get("checkpoint_step")
-            how = f"resumed at step {first} from its checkpoint of step {ckpt}" \
+            source = "snapshot" if c.get("checkpoint_source") == "snapshot" else "checkpoint"
+            how = f"resumed at step {first} from its {source} of step {ckpt}" \
                 if ckpt is not None else f"started over at step {first} (no checkpoint)"
             lines.append(f"Cycle {c['cycle'] + 1} {how} after {c['cause']}.")
     return lines

@@ -6,7 +6,9 @@
 For a state of ``--mb`` MB of float32 (in 20 tensors, like a model's parameters) in a
 store on /dev/shm, measures per run: the time ``snapshot()`` blocks the caller (the copy
 into the host buffers it reuses), the background write (slot file on tmpfs + CRC32 + the
-non-finite test + commit record) and ``load()`` (read, CRC32 check, non-finite test).
+non-finite test + commit record), the launcher's full check of the slot at a restart
+(``verify_slot``: read + CRC32 of every tensor, no torch) and ``load()`` (read, CRC32
+check, non-finite test).
 The first snapshot, which allocates its buffers, is reported apart, and ``load()`` is
 also timed in a new process, as a restarted rank meets it (every page fresh). For what bounds
 these, it also measures a plain tensor copy into a reused buffer (memory bandwidth) and
@@ -39,7 +41,7 @@ sys.path.insert(0, str(HERE.parents[1]))
 import torch  # noqa: E402
 from bench import machine_info  # noqa: E402
 
-from ft_agent.snapshot import SnapshotStore, load  # noqa: E402
+from ft_agent.snapshot import SnapshotStore, load, verify_slot  # noqa: E402
 
 TENSORS = 20
 
@@ -89,24 +91,30 @@ def measure(mb: int, runs: int, root: Path) -> dict[str, Any]:
             status = store.snapshot(state, step, wait=True)
             result = store.wait()
             assert status.started and result is not None and result.ok, (status, result)
+            start = time.perf_counter()
+            assert verify_slot(directory, status.slot) is None
+            verify_s = time.perf_counter() - start
             snap = load(directory)
             assert snap.iteration == step
             assert torch.equal(snap.state["model"]["layer0"], state["model"]["layer0"])
             per_run.append({"iteration": step, "bytes": status.bytes,
                             "blocking_s": round(status.blocking_s, 4),
                             "write_s": round(result.seconds, 4),
+                            "launcher_verify_s": round(verify_s, 4),
                             "restore_s": round(snap.seconds, 4)})
             del snap, state
         fresh = [restore_in_new_process(directory) for _ in range(runs)]
     med = {k: statistics.median(r[k] for r in per_run)
-           for k in ("blocking_s", "write_s", "restore_s")}
+           for k in ("blocking_s", "write_s", "launcher_verify_s", "restore_s")}
     med["restore_new_process_s"] = statistics.median(fresh)
     return {"first": {"blocking_s": round(first.blocking_s, 4),
                       "write_s": round(first_write.seconds, 4)},
             "runs": per_run, "restore_new_process_s": fresh, "median": med}
 
 
-LOAD_CHILD = "import sys; from ft_agent.snapshot import load; print(load(sys.argv[1]).seconds)"
+# torch first, as in a rank: ft_agent.snapshot imports it on first use, not at its import.
+LOAD_CHILD = ("import sys, torch; from ft_agent.snapshot import load; "
+              "print(load(sys.argv[1]).seconds)")
 
 
 def restore_in_new_process(directory: Path) -> float:
@@ -145,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     m, b = result["snapshot"]["median"], result["bounds"]
     print(f"{args.mb} MB float32, median of {args.runs}: snapshot() blocks "
           f"{m['blocking_s'] * 1000:.0f} ms, background write {m['write_s'] * 1000:.0f} ms, "
+          f"launcher's check {m['launcher_verify_s'] * 1000:.0f} ms, "
           f"restore {m['restore_s'] * 1000:.0f} ms (in a new process "
           f"{m['restore_new_process_s'] * 1000:.0f} ms)")
     print(f"bounds: copy into a reused buffer {b['copy_into_reused_buffer_s'] * 1000:.0f} ms "

@@ -353,6 +353,42 @@ def _scale_sections() -> list[str]:
     return out + [""]
 
 
+SNAPSHOT_MEASURES = [  # (key of a run, what it is)
+    ("blocking_s", "`snapshot()` blocks the caller (copy into reused host buffers)"),
+    ("write_s", "background write: slot file, CRC32, NaN/Inf test, commit record"),
+    ("launcher_verify_s", "the launcher's full check of one slot at a restart (CRC32 of "
+                          "every tensor)"),
+    ("restore_s", "`load()`: read, CRC32 check, NaN/Inf test"),
+]
+
+
+def _snapshot_sections() -> list[str]:
+    doc = _load("snapshot_cost.json")
+    m, st, snap = doc["machine"], doc["state"], doc["snapshot"]
+    out = ["## In-memory snapshots", "",
+           "Written by `scripts/bench/snapshot_cost.py`: one rank's state of "
+           f"{st['mb']} MB of {st['dtype']} in {st['tensors']} tensors, in a store on "
+           f"{st['store']}, CPU tensors.", "",
+           "### `snapshot_cost.json`", "",
+           f"- date: {doc['date']}",
+           f"- machine: {m['cpus']} CPUs, {m['memory_gib']} GiB; Python {m['python']}, "
+           f"torch {m['torch']}; load average at start {m['loadavg_start'][0]}, at end "
+           f"{m['loadavg_end'][0]}",
+           f"- command: `{doc['command']}`", "",
+           "| measure | median (min–max) over runs, ms |", "|---|---|"]
+    for key, what in SNAPSHOT_MEASURES:
+        values = [r[key] * 1000 for r in snap["runs"] if key in r]
+        if values:
+            out.append(f"| {what} | {_spread(values, 0)} |")
+    fresh = [v * 1000 for v in snap["restore_new_process_s"]]
+    out.append(f"| `load()` in a new process (every page fresh, as a restarted rank) | "
+               f"{_spread(fresh, 0)} |")
+    b = doc["bounds"]
+    out += ["", f"Bounds on the same bytes: copy {b['copy_gib_per_s']} GiB/s, CRC32 "
+            f"{b['crc32_gib_per_s']} GiB/s, BLAKE2b {b['blake2b_gib_per_s']} GiB/s.", ""]
+    return out
+
+
 def benchmarks_page() -> str:
     report = _bench_report()
     lines = [GENERATED.format(source="the committed `scripts/bench/*.json`"), "",
@@ -373,6 +409,7 @@ def benchmarks_page() -> str:
     lines += _warm_sections()
     lines += _nodeloss_sections()
     lines += _scale_sections()
+    lines += _snapshot_sections()
     text = "\n".join(lines)
     return text.rstrip("\n") + "\n"
 

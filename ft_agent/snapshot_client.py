@@ -1,0 +1,220 @@
+"""``RankMonitorClient.snapshot`` / ``restore``: the rank's side of in-memory snapshots.
+
+The launcher (``--ft-snapshot-every``) gives each rank, by environment, its snapshot
+directory (``FT_SNAPSHOT_DIR``), the frequency (``FT_SNAPSHOT_EVERY``: steps, or seconds
+with an ``s``), its memory budget in bytes (``FT_SNAPSHOT_MEMORY``) and the iteration it is
+to restore in this cycle (``FT_SNAPSHOT_ITERATION``, ``none`` when there is none). This
+module imports neither torch nor the store until a snapshot is taken or restored.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger("ft_agent")
+
+REPORT_WHAT = "snapshot"
+# Skips of one reason are reported at most this often (a write slower than a step would
+# otherwise report every step); each report counts the skips since the last.
+SKIP_REPORT_S = 10.0
+
+
+@dataclass(frozen=True)
+class Frequency:
+    """Every ``steps`` iterations or every ``seconds`` of wall time."""
+
+    steps: int | None = None
+    seconds: float | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> Frequency | None:
+        """``5`` or ``30s``; None for anything else (snapshots off)."""
+        text = text.strip().lower()
+        try:
+            if text.endswith("s"):
+                seconds = float(text[:-1])
+                return cls(seconds=seconds) if 0 <= seconds < 1e9 else None
+            steps = int(text)
+            return cls(steps=steps) if steps >= 1 else None
+        except ValueError:
+            return None
+
+    def due(self, iteration: int, now: float, last: tuple[int, float] | None) -> bool:
+        """Whether a snapshot of ``iteration`` is due, given the last (iteration, time)."""
+        if last is None:
+            return True
+        if self.steps is not None:
+            return iteration - last[0] >= self.steps
+        return now - last[1] >= (self.seconds or 0.0)
+
+
+@dataclass(frozen=True)
+class SnapshotSettings:
+    """What the launcher said in the environment; ``settings_from_env`` reads it."""
+
+    directory: str
+    frequency: Frequency
+    memory: int | None
+    iteration: int | None  # to restore in this cycle
+
+
+def settings_from_env(env: Mapping[str, str]) -> SnapshotSettings | None:
+    """The rank's snapshot settings, or None when the launcher keeps no snapshots."""
+    directory = env.get("FT_SNAPSHOT_DIR")
+    frequency = Frequency.parse(env.get("FT_SNAPSHOT_EVERY", ""))
+    if not directory or frequency is None:
+        return None
+    memory = _int_or_none(env.get("FT_SNAPSHOT_MEMORY", ""))
+    return SnapshotSettings(directory, frequency, memory if memory else None,
+                            _int_or_none(env.get("FT_SNAPSHOT_ITERATION", "")))
+
+
+def _int_or_none(text: str) -> int | None:
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
+class SnapshotAgent:
+    """One rank's snapshots: the store (created at the first snapshot), the frequency,
+    and the reports sent to the launcher through ``report(what, message)``."""
+
+    def __init__(self, settings: SnapshotSettings, report: Any) -> None:
+        self.settings = settings
+        self.report = report
+        self.store: Any = None  # ft_agent.snapshot.SnapshotStore
+        self.last: tuple[int, float] | None = None
+        self.restored = False
+        self.broken = False  # the directory was refused: no snapshots for this process
+        self._skips: dict[str, tuple[int, float]] = {}  # reason -> (count, last report)
+        self._write_seen: Any = None
+
+    def snapshot(self, state: Any, iteration: int) -> Any:
+        """Take a snapshot when due; the store's ``SnapshotStatus``, or None when not due."""
+        from ft_agent import snapshot as store  # noqa: PLC0415 - torch on first use only
+
+        now = time.monotonic()
+        if not self.settings.frequency.due(iteration, now, self.last):
+            return None
+        if self.store is None:
+            if self.broken:
+                return None
+            try:
+                self.store = store.SnapshotStore(self.settings.directory,
+                                                 memory_budget=self.settings.memory)
+            except store.SnapshotError as e:  # the training goes on without snapshots
+                self.broken = True
+                log.warning("snapshots off for this rank: %s", e)
+                self._skipped(iteration, "io", 0, now)
+                return None
+        self._check_last_write()
+        try:
+            status = self.store.snapshot(state, iteration)
+        except store.SnapshotError:
+            self._skipped(iteration, "unsupported", 0, now)
+            raise
+        if status.started:
+            self.last = (iteration, now)
+        else:
+            self._skipped(iteration, status.reason or "busy", status.bytes, now)
+        return status
+
+    def restore(self) -> tuple[Any, int] | None:
+        """The state and iteration the launcher chose for this cycle, or None."""
+        from ft_agent import snapshot as store  # noqa: PLC0415
+
+        iteration = self.settings.iteration
+        if iteration is None or self.restored:
+            return None
+        try:
+            snap = store.load(self.settings.directory, iteration)
+        except store.SnapshotError as e:
+            for slot, reason in e.rejected:
+                self._send("rejected", iteration=iteration, slot=slot, reason=reason[:500])
+                try:
+                    store.uncommit(self.settings.directory, slot)
+                except (store.SnapshotError, OSError) as exc:
+                    log.warning("cannot discard snapshot slot %s: %s", slot, exc)
+            # Every other rank restores this iteration: going on from elsewhere would split
+            # the world. Failing makes the launcher choose again, without this copy.
+            raise
+        self.restored = True
+        self.last = (snap.iteration, time.monotonic())
+        self._send("restored", iteration=snap.iteration, source="local", bytes=snap.bytes,
+                   seconds=round(snap.seconds, 6))
+        return snap.state, snap.iteration
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
+
+    def _check_last_write(self) -> None:
+        result = self.store.last_write
+        if result is not None and result is not self._write_seen:
+            self._write_seen = result
+            if not result.ok:
+                self._skipped(result.iteration, "io", result.bytes, time.monotonic())
+
+    def _skipped(self, iteration: int, reason: str, nbytes: int, now: float) -> None:
+        count, sent = self._skips.get(reason, (0, -SKIP_REPORT_S))
+        count += 1
+        if now - sent < SKIP_REPORT_S:
+            self._skips[reason] = (count, sent)
+            return
+        self._skips[reason] = (0, now)
+        log.warning("snapshot of iteration %d skipped (%s, %d bytes)", iteration, reason, nbytes)
+        self._send("skipped", iteration=iteration, reason=reason, bytes=nbytes, count=count)
+
+    def _send(self, kind: str, **fields: Any) -> None:
+        self.report(REPORT_WHAT, json.dumps({"kind": kind, **fields}))
+
+
+class SnapshotMixin:
+    """``snapshot`` and ``restore`` of ``RankMonitorClient`` (which provides ``send_report``
+    and ``_warn_disabled``)."""
+
+    _snapshots: SnapshotAgent | None = None
+    _snapshots_read = False
+
+    def _snapshot_agent(self) -> SnapshotAgent | None:
+        if not self._snapshots_read:
+            self._snapshots_read = True
+            if not os.environ.get("FT_ENDPOINT"):
+                self._warn_disabled()  # type: ignore[attr-defined]
+                return None
+            settings = settings_from_env(os.environ)
+            if settings is None:
+                log.info("the launcher keeps no snapshots (see --ft-snapshot-every): "
+                         "snapshot() and restore() do nothing")
+                return None
+            self._snapshots = SnapshotAgent(settings, self.send_report)  # type: ignore[attr-defined]
+        return self._snapshots
+
+    def snapshot(self, state: Any, iteration: int) -> Any:
+        """Snapshot ``state`` (tensors, numpy arrays and plain Python values in dicts,
+        lists and tuples) as of step ``iteration``, when due (``--ft-snapshot-every``).
+
+        Blocks only while the tensors are copied to host memory; the write goes on in the
+        background. Returns a ``SnapshotStatus`` (``started``, or skipped with ``reason``
+        "budget" or "busy", which the launcher records as ``snapshot_skipped``), or None
+        when no snapshot was due or snapshots are off. Raises ``SnapshotError`` for a state
+        it cannot hold, naming the path."""
+        agent = self._snapshot_agent()
+        return None if agent is None else agent.snapshot(state, int(iteration))
+
+    def restore(self) -> tuple[Any, int] | None:
+        """In a new cycle: ``(state, iteration)`` of the newest iteration every rank of the
+        world holds a checked copy of (the launcher chose it before the rank started), else
+        None. Tensors come back on the CPU. Call it once, after
+        ``init_workload_monitoring``. Raises ``SnapshotError`` when the chosen copy fails
+        its checks here: the rank must not go on (the others restore that iteration); the
+        launcher's next cycle chooses again without that copy."""
+        agent = self._snapshot_agent()
+        return None if agent is None else agent.restore()
