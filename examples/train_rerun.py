@@ -12,6 +12,10 @@ Injects silent data corruption (a NaN loss) to show the whole flow under ft_laun
                    ft_launcher --ft-skip-bad-iterations).
 --fault transient  NaN once: the re-run in place differs -> TRANSIENT_ERROR -> exit 17 ->
                    the launcher restarts in place and training goes on.
+
+--snapshots (with ft_launcher --ft-snapshot-every N) keeps the state in the launcher's
+in-memory snapshots instead of disk checkpoints: the step the machine must re-run is
+resumed from the snapshot it asked for before exiting.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--fault-rank", type=int, default=1)
     p.add_argument("--fault-device", default="1")
     p.add_argument("--ckpt-every", type=int, default=2)
+    p.add_argument("--snapshots", action="store_true",
+                   help="in-memory snapshots (--ft-snapshot-every) instead of disk checkpoints")
     return p.parse_args()
 
 
@@ -63,6 +69,16 @@ def steps_to_skip(rank: int) -> set[int]:
     return set(share_iterations_to_skip(steps))
 
 
+def load(ckpt: Path, snapshots: bool) -> dict | None:
+    """The state to resume: the snapshot the launcher chose, or the disk checkpoint."""
+    if snapshots:
+        restored = get_client().restore()
+        return None if restored is None else restored[0]
+    if ckpt.exists():
+        return torch.load(ckpt, weights_only=False)  # our own file: plain data and tensors
+    return None
+
+
 def main() -> None:
     args = parse_args()
     rank = int(os.environ.get("RANK", "0"))
@@ -80,8 +96,8 @@ def main() -> None:
     model = nn.Linear(8, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     start = 0
-    if ckpt.exists():
-        state = torch.load(ckpt, weights_only=False)  # our own file: plain data and tensors
+    state = load(ckpt, args.snapshots)
+    if state is not None:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         start = state["step"]
@@ -106,8 +122,14 @@ def main() -> None:
         return args.fault == "data"
 
     def save(step: int) -> None:
-        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
-                    "rerun": machine.state_dict(data, "torch")}, ckpt.with_suffix(".tmp"))
+        state = {"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
+                 "rerun": machine.state_dict(data, "torch")}
+        if args.snapshots:
+            # Written before returning: the machine may ask for this state just before an
+            # exit (16 or 17), and the next cycle re-runs the step from it.
+            get_client().snapshot(state, step, at_once=True)
+            return
+        torch.save(state, ckpt.with_suffix(".tmp"))
         os.replace(ckpt.with_suffix(".tmp"), ckpt)
 
     losses = {}

@@ -96,12 +96,13 @@ class SnapshotAgent:
         self._skips: dict[str, tuple[int, float]] = {}  # reason -> (count, last report)
         self._write_seen: Any = None
 
-    def snapshot(self, state: Any, iteration: int) -> Any:
-        """Take a snapshot when due; the store's ``SnapshotStatus``, or None when not due."""
+    def snapshot(self, state: Any, iteration: int, at_once: bool = False) -> Any:
+        """Take a snapshot when due (``at_once``: whatever the frequency, written before
+        returning); the store's ``SnapshotStatus``, or None when not due."""
         from ft_agent import snapshot as store  # noqa: PLC0415 - torch on first use only
 
         now = time.monotonic()
-        if not self.settings.frequency.due(iteration, now, self.last):
+        if not at_once and not self.settings.frequency.due(iteration, now, self.last):
             return None
         if self.store is None:
             if self.broken:
@@ -116,10 +117,13 @@ class SnapshotAgent:
                 return None
         self._check_last_write()
         try:
-            status = self.store.snapshot(state, iteration)
+            status = self.store.snapshot(state, iteration, wait=at_once)
         except store.SnapshotError:
             self._skipped(iteration, "unsupported", 0, now)
             raise
+        if status.started and at_once:
+            self.store.wait()
+            self._check_last_write()
         if status.started:
             self.last = (iteration, now)
         else:
@@ -197,17 +201,20 @@ class SnapshotMixin:
             self._snapshots = SnapshotAgent(settings, self.send_report)  # type: ignore[attr-defined]
         return self._snapshots
 
-    def snapshot(self, state: Any, iteration: int) -> Any:
+    def snapshot(self, state: Any, iteration: int, *, at_once: bool = False) -> Any:
         """Snapshot ``state`` (tensors, numpy arrays and plain Python values in dicts,
         lists and tuples) as of step ``iteration``, when due (``--ft-snapshot-every``).
 
         Blocks only while the tensors are copied to host memory; the write goes on in the
-        background. Returns a ``SnapshotStatus`` (``started``, or skipped with ``reason``
-        "budget" or "busy", which the launcher records as ``snapshot_skipped``), or None
+        background. With ``at_once``, the snapshot is taken whatever the frequency and
+        written before this returns: for a state that must outlive an exit about to happen,
+        such as the one the rerun state machine asks to checkpoint before exit 16 or 17.
+        Returns a ``SnapshotStatus`` (``started``, or skipped with ``reason`` "budget" or
+        "busy", which the launcher records as ``snapshot_skipped``), or None
         when no snapshot was due or snapshots are off. Raises ``SnapshotError`` for a state
         it cannot hold, naming the path."""
         agent = self._snapshot_agent()
-        return None if agent is None else agent.snapshot(state, int(iteration))
+        return None if agent is None else agent.snapshot(state, int(iteration), at_once)
 
     def restore(self) -> tuple[Any, int] | None:
         """In a new cycle: ``(state, iteration)`` of the newest iteration every rank of the

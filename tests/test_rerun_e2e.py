@@ -12,9 +12,10 @@ pytestmark = pytest.mark.timeout(240)
 TRAIN = str(EXAMPLES / "train_rerun.py")
 
 
-def _launch(run_dir, fault, *flags):
+def _launch(run_dir, fault, *flags, script_flags=()):
     return run_launcher(run_dir, "--nproc-per-node", "2", "--max-restarts", "3", *flags,
-                        TRAIN, "--fault", fault, "--at", "5", "--steps", "8", timeout=200)
+                        TRAIN, "--fault", fault, "--at", "5", "--steps", "8", *script_flags,
+                        timeout=200)
 
 
 def _verdicts(run_dir):
@@ -69,3 +70,16 @@ def test_transient_error_restarts_in_place_and_training_continues(run_dir):
     assert restart["device_map"] == [0, 1]  # in place: no rotation
     result = json.loads((run_dir / "ckpt_rerun" / "result.json").read_text())
     assert result["skipped"] == [] and result["last_step"] == 8
+
+
+def test_the_step_to_re_run_is_resumed_from_a_snapshot_instead_of_a_disk_checkpoint(run_dir):
+    res = _launch(run_dir, "device", "--ft-snapshot-every", "1", script_flags=["--snapshots"])
+    assert res.returncode == 17, res.stdout[-3000:]
+    assert not list((run_dir / "ckpt_rerun").glob("rank_*.pt"))  # no disk checkpoint at all
+    evs = events(run_dir)
+    restored = [e for e in named(evs, "snapshot_restored") if e["cycle"] == 1]
+    # the state the machine asked for before exit 16: the end of step 4, before step 5
+    assert sorted(e["rank"] for e in restored) == [0, 1]
+    assert {e["iteration"] for e in restored} == {4}
+    (verdict,) = _verdicts(run_dir)
+    assert verdict["diagnostic"] == "PERSISTENT_ERROR" and verdict["iteration"] == 5
