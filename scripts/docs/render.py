@@ -386,7 +386,31 @@ def _snapshot_sections() -> list[str]:
     b = doc["bounds"]
     out += ["", f"Bounds on the same bytes: copy {b['copy_gib_per_s']} GiB/s, CRC32 "
             f"{b['crc32_gib_per_s']} GiB/s, BLAKE2b {b['blake2b_gib_per_s']} GiB/s.", ""]
+    for name in sorted(p.name for p in BENCH.glob("snapshot_overhead*.json")):
+        out += _snapshot_overhead_section(name)
     return out
+
+
+def _snapshot_overhead_section(name: str) -> list[str]:
+    doc = _load(name)
+    m, st = doc["machine"], doc["settings"]
+    pct = [p["overhead"] * 100 for p in doc["pairs"]]
+    return [f"### `{name}`", "",
+            "Written by `scripts/bench/snapshot_overhead.py`: a training run of "
+            f"{st['ranks']} ranks (gloo) with {st['mb_per_rank']} MB of state per rank and "
+            f"steps of about {st['step_s']} s of compute, without snapshots and with "
+            "`--ft-snapshot-every 1`, in alternating pairs; the step loop's wall time, first "
+            "step excluded.", "",
+            f"- date: {doc['date']}",
+            f"- machine: {m['cpus']} CPUs, {m['memory_gib']} GiB; load average at start "
+            f"{m['loadavg_start'][0]}, at end {m['loadavg_end'][0]}",
+            f"- command: `{doc['command']}`", "",
+            "| measure | median (min–max) over pairs |", "|---|---|",
+            f"| loop without snapshots, s | {_spread([p['without_s'] for p in doc['pairs']])} |",
+            f"| loop with a snapshot every step, s | "
+            f"{_spread([p['with_s'] for p in doc['pairs']])} |",
+            f"| overhead, % (with / without - 1, per pair; {len(pct)} pairs) | "
+            f"{_spread(pct, 1)} |", ""]
 
 
 def benchmarks_page() -> str:

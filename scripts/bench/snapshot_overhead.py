@@ -1,0 +1,105 @@
+"""What a snapshot every step costs a training run, with and without, side by side.
+
+    python scripts/bench/snapshot_overhead.py                       # 1 s steps, 200 MB, 20 pairs
+    python scripts/bench/snapshot_overhead.py --step-s 0.1 --pairs 5 --out /tmp/x.json
+
+Runs ``scripts/bench/snapshot_step.py`` (2 ranks, gloo, ``--mb`` MB of state per rank, a
+step of fixed compute calibrated once to about ``--step-s`` seconds) under ``ft_launcher``
+in pairs: one run without snapshots, one with ``--ft-snapshot-every 1``, in alternating
+order. Each run's figure is the ranks' step loop wall time (first step excluded, so start-up
+is not counted); a pair's overhead is with / without - 1. Medians printed, everything written
+to ``--out`` as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import torch  # noqa: E402
+from bench import machine_info  # noqa: E402
+
+STEP = HERE / "snapshot_step.py"
+
+
+def calibrate(step_s: float) -> int:
+    """Matmul rounds that take about ``step_s`` on one core (the step's compute)."""
+    torch.set_num_threads(1)
+    a = torch.randn(256, 256)
+    rounds = 50
+    while True:
+        start = time.perf_counter()
+        x = a
+        for _ in range(rounds):
+            x = torch.tanh(x @ a)
+        took = time.perf_counter() - start
+        if took > 0.2:
+            return max(1, round(rounds * step_s / took))
+        rounds *= 2
+
+
+def run_once(work: int, args: argparse.Namespace, snapshots: bool, tmp: Path) -> float:
+    out = tmp / f"loop-{time.monotonic_ns()}.json"
+    cmd = [sys.executable, "-m", "ft_launcher.cli", "--ft-run-dir", str(tmp / out.stem),
+           "--nproc-per-node", "2", "--max-restarts", "0"]
+    if snapshots:
+        cmd += ["--ft-snapshot-every", "1"]
+    cmd += [str(STEP), "--mb", str(args.mb), "--steps", str(args.steps), "--work", str(work),
+            "--out", str(out)]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                   timeout=60 + args.steps * args.step_s * 10)
+    return json.loads(out.read_text())["loop_s"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mb", type=int, default=200)
+    ap.add_argument("--step-s", type=float, default=1.0)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--pairs", type=int, default=20)
+    ap.add_argument("--out", type=Path, default=HERE / "snapshot_overhead.json")
+    args = ap.parse_args(argv)
+    machine = machine_info()
+    work = calibrate(args.step_s)
+    pairs = []
+    with tempfile.TemporaryDirectory(prefix="ft-snap-overhead-") as tmp:
+        for i in range(args.pairs):
+            order = [False, True] if i % 2 == 0 else [True, False]
+            loop = {snap: run_once(work, args, snap, Path(tmp)) for snap in order}
+            pairs.append({"without_s": round(loop[False], 4), "with_s": round(loop[True], 4),
+                          "overhead": round(loop[True] / loop[False] - 1, 4)})
+            print(f"pair {i + 1}: without {loop[False]:.2f} s, with {loop[True]:.2f} s, "
+                  f"overhead {pairs[-1]['overhead']:+.1%}", flush=True)
+    machine["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    overheads = [p["overhead"] for p in pairs]
+    result: dict[str, Any] = {
+        "date": datetime.date.today().isoformat(),
+        "command": shlex.join(["python", "scripts/bench/snapshot_overhead.py",
+                               *(argv if argv is not None else sys.argv[1:])]),
+        "machine": machine,
+        "settings": {"mb_per_rank": args.mb, "ranks": 2, "step_s": args.step_s,
+                     "steps": args.steps, "matmul_rounds": work},
+        "pairs": pairs,
+        "overhead_median": statistics.median(overheads),
+    }
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"median overhead {result['overhead_median']:+.1%} over {len(pairs)} pairs "
+          f"(min {min(overheads):+.1%}, max {max(overheads):+.1%})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

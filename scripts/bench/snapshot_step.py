@@ -1,0 +1,62 @@
+"""A training step of fixed work over a large state, for scripts/bench/snapshot_overhead.py.
+
+Each rank holds ``--mb`` MB of float32 state (20 tensors, like a model's parameters). A step
+does ``--work`` rounds of a 256x256 matmul (the compute), updates every state tensor in
+place (the optimizer's pass over the parameters), all-reduces a small tensor (the
+collective that keeps the ranks in step) and offers a snapshot of the state
+(``snapshot()`` does nothing when the launcher keeps no snapshots). Rank 0 writes the wall
+time of the step loop, first step excluded, to ``--out`` as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from ft_agent import RankMonitorClient
+
+TENSORS = 20
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mb", type=int, default=200)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--work", type=int, required=True, help="matmul rounds per step")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    rank = int(os.environ.get("RANK", "0"))
+    dist.init_process_group("gloo")
+    ft = RankMonitorClient()
+    ft.init_workload_monitoring()
+    per = args.mb * 2**20 // 4 // TENSORS
+    state = {f"layer{i}": torch.randn(per) for i in range(TENSORS)}
+    a = torch.randn(256, 256)
+    flag = torch.zeros(1)
+    step_s = []
+    for step in range(1, args.steps + 1):
+        start = time.perf_counter()
+        x = a
+        for _ in range(args.work):
+            x = torch.tanh(x @ a)
+        for t in state.values():
+            t.mul_(0.999)
+        dist.all_reduce(flag)
+        ft.snapshot(state, step)
+        ft.send_heartbeat()
+        step_s.append(time.perf_counter() - start)
+    dist.barrier()
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump({"loop_s": sum(step_s[1:]), "step_s": step_s}, f)
+    ft.shutdown_workload_monitoring()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
