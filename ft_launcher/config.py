@@ -43,7 +43,7 @@ class FaultToleranceConfig(agent_config.FaultToleranceConfig):
     skip_bad_iterations: bool = False
     max_no_progress_cycles: int | None = None
     checkpoint_iteration_file: str | None = None
-    warm_restart: bool = False
+    warm_restart: bool = True  # docs/warm-restart.md: --no-ft-warm-restart turns it off
     preload: list[str] = field(default_factory=lambda: ["torch"])
     # Single node: each cycle's TCPStore is hosted by a process that listens before the
     # workers start (TORCHELASTIC_USE_AGENT_STORE=True), even without warm restart. Off by

@@ -559,17 +559,19 @@ def test_no_python_runs_cold_with_one_event(tmp_path, run_dir):
     assert named(events(run_dir), "workers_started")[0]["warm"] == [False]
 
 
-@pytest.mark.parametrize("how", ["default", "flag over yaml"])
-def test_off_by_default_no_standby(tmp_path, run_dir, how):
+@pytest.mark.parametrize("how", ["flag", "yaml", "flag over yaml", "start method spawn"])
+def test_turned_off_no_standby(tmp_path, run_dir, how):
     script = tmp_path / "hb.py"
     script.write_text("from ft_agent import RankMonitorClient\n"
                       "import time\nft = RankMonitorClient()\nft.init_workload_monitoring()\n"
                       "for _ in range(20):\n    ft.send_heartbeat()\n    time.sleep(0.05)\n")
-    args = []
-    if how == "flag over yaml":  # --no-ft-warm-restart wins over the file's warm_restart
-        cfg = tmp_path / "ft.yaml"
-        cfg.write_text("fault_tolerance:\n  warm_restart: true\n")
-        args = ["--ft-cfg-path", str(cfg), "--no-ft-warm-restart"]
+    cfg = tmp_path / "ft.yaml"
+    args = {"flag": ["--no-ft-warm-restart"],
+            "yaml": ["--ft-cfg-path", str(cfg)],
+            # --no-ft-warm-restart wins over the file's warm_restart
+            "flag over yaml": ["--ft-cfg-path", str(cfg), "--no-ft-warm-restart"],
+            "start method spawn": ["--start-method", "spawn"]}[how]
+    cfg.write_text(f"fault_tolerance:\n  warm_restart: {'false' if how == 'yaml' else 'true'}\n")
     res = run_launcher(run_dir, "--nproc-per-node", "2", *args, str(script), timeout=60)
     assert res.returncode == 0, res.stdout
     names = {e["event"] for e in events(run_dir)}
