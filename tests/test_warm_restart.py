@@ -461,39 +461,83 @@ def test_sigterm_while_the_first_cycle_waits_for_the_zygote(tmp_path, run_dir):
     wait_for(lambda: _gone([zygote]), 5, "the zygote to die")
 
 
-def test_the_first_cycle_waits_only_for_a_zygote_expected_safe(tmp_path, monkeypatch):
-    """torch's OpenMP pool makes a zygote unsafe to fork unless OMP_NUM_THREADS=1 (the
-    launcher sets it for several local ranks): the first cycle does not wait for a zygote
-    that is bound to fall back, which then imports at idle priority as before."""
+def test_the_first_cycle_waits_for_the_zygote_whatever_omp_num_threads(tmp_path, monkeypatch):
+    """The zygote imports with OMP_NUM_THREADS=1 whatever the workers get (torch's OpenMP
+    pool would make it unsafe to fork), so the first cycle waits for its forks with one
+    local rank and the variable unset too, and the zygote imports at full priority."""
     from ft_launcher.config import FaultToleranceConfig, LaunchConfig
     from ft_launcher.warm.standby_pool import StandbyPool
 
     script = tmp_path / "train.py"
     script.write_text("pass\n")
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    for nproc, preload, omp, waits in ((2, ["torch"], None, True),
-                                       (1, ["torch"], None, False),
-                                       (1, ["torch"], "1", True),
-                                       (1, ["torch"], "4", False),
-                                       (1, ["json"], None, True)):
+    for nproc, preload, omp in ((2, ["torch"], None), (1, ["torch"], None),
+                                (1, ["torch"], "4"), (1, ["json"], None)):
         if omp is None:
             monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
         else:
             monkeypatch.setenv("OMP_NUM_THREADS", omp)
         cfg = LaunchConfig(entrypoint=[sys.executable, "-u", str(script)], script_args=[],
                            nproc_per_node=nproc, run_dir=tmp_path / "run",
-                           ft=FaultToleranceConfig(warm_restart=True, preload=preload))
+                           ft=FaultToleranceConfig(preload=preload))
         pool = StandbyPool(cfg, tmp_path / "standby", lambda name, **f: None)
         try:
             case = (nproc, preload, omp)
-            assert pool.warm_first_cycle is waits, case
-            assert pool.first_cycle_waits() is waits, case  # the zygote is still importing
-            policy = os.sched_getscheduler(pool.zygote.proc.pid)
-            assert policy == (os.SCHED_OTHER if waits else os.SCHED_IDLE), case
+            assert pool.warm_first_cycle and pool.first_cycle_waits(), case
+            pid = pool.zygote.proc.pid
+            assert os.sched_getscheduler(pid) == os.SCHED_OTHER, case
+            environ = psutil.Process(pid).environ()
+            assert environ["OMP_NUM_THREADS"] == "1", case
             pool.cycle_started()
             assert not pool.first_cycle_waits()  # later cycles never wait
         finally:
             pool.close()
+
+
+THREADS = """import os, sys, torch
+x = torch.randn(256, 256)
+(x @ x).sum()  # a parallel region: OpenMP's pool starts here
+print("num_threads", torch.get_num_threads())
+print("preloaded", "torch" in sys.modules)
+print(torch.__config__.parallel_info())
+"""
+
+
+@pytest.mark.parametrize("omp", [None, "1", "3"])
+def test_one_local_rank_is_warm_with_the_threads_of_a_cold_worker(tmp_path, run_dir, omp):
+    """One local rank, OMP_NUM_THREADS unset (torch then uses every core) or set: the
+    default launch is warm from the first cycle, forked from a zygote with no thread but
+    its own, and torch in the worker reports what it reports in a cold one: same thread
+    counts for ATen, OpenMP and MKL."""
+    script = tmp_path / "threads.py"
+    script.write_text(THREADS)
+    env = {} if omp is None else {"OMP_NUM_THREADS": omp}
+    reports = {}
+    for how, args in (("warm", []), ("cold", ["--no-ft-warm-restart"])):
+        where = run_dir / how
+        res = run_launcher(where, *args, str(script), timeout=120, env=env)
+        assert res.returncode == 0, res.stdout
+        evs = events(where)
+        assert named(evs, "workers_started")[0]["warm"] == [how == "warm"]
+        reports[how] = (where / "logs" / "cycle_0" / "rank_0.log").read_text()
+        if how == "warm":
+            zygote = named(evs, "zygote_ready")
+            assert len(zygote) == 1 and zygote[0]["threads"] == 1, zygote
+            assert not named(evs, "zygote_fallback")
+    assert reports["warm"] == reports["cold"]
+    count = int(re.search(r"^num_threads (\d+)$", reports["cold"], re.M).group(1))
+    assert count == 1 if omp == "1" else count >= 1
+
+
+def test_cold_thread_count_reads_the_variables_as_torch_does():
+    count = activation.cold_thread_count
+    assert count({}, 8) == 8
+    assert count({"OMP_NUM_THREADS": "3"}, 8) == 3
+    assert count({"OMP_NUM_THREADS": "12"}, 8) == 8  # no more than the cores
+    assert count({"OMP_NUM_THREADS": " 4,2"}, 8) == 4  # std::stoi: the leading integer
+    assert count({"OMP_NUM_THREADS": "3", "MKL_NUM_THREADS": "1"}, 8) == 1  # MKL's first
+    assert count({"OMP_NUM_THREADS": "0", "MKL_NUM_THREADS": "5"}, 8) == 5
+    assert count({"OMP_NUM_THREADS": "x", "MKL_NUM_THREADS": "-1"}, 8) == 8
+    assert count({"MKL_NUM_THREADS": "+6"}, 8) == 6
 
 
 class _FakeClock:
