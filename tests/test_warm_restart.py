@@ -6,6 +6,7 @@ killed by the pids the launcher reports in its ``standby_ready`` events.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -66,7 +67,7 @@ def _spares(run_dir: Path) -> list[dict]:
 def _train_and_kill_rank1(run_dir: Path, warm: bool) -> dict[tuple[int, int], str]:
     """train_ddp with 2 ranks; SIGKILL rank 1 once a checkpoint exists (and, warm, once both
     spare standbys are ready); return (rank, step) -> loss over every cycle's log."""
-    flags = ["--ft-warm-restart"] if warm else []
+    flags = ["--ft-warm-restart"] if warm else ["--no-ft-warm-restart"]
     cmd = launcher_cmd(run_dir, "--nproc-per-node", "2", "--max-restarts", "1", *flags,
                        str(EXAMPLES / "train_ddp.py"), "--steps", "300", "--ckpt-every", "10",
                        "--step-time", "0.03")
@@ -208,7 +209,8 @@ def test_warm_worker_sees_a_fresh_process(tmp_path, run_dir, mode):
         main_file = str(work / "semantics_mod.py")
     # What a fresh process sees: the same launch without warm restart (it exits at once).
     cold_dir = tmp_path / "cold_run"
-    cold_run = subprocess.run(launcher_cmd(cold_dir, "--nproc-per-node", "2", *entry, "cold"),
+    cold_run = subprocess.run(launcher_cmd(cold_dir, "--nproc-per-node", "2",
+                                           "--no-ft-warm-restart", *entry, "cold"),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               cwd=cwd, timeout=60)
     assert cold_run.returncode == 0, cold_run.stdout
@@ -522,6 +524,8 @@ def test_one_local_rank_is_warm_with_the_threads_of_a_cold_worker(tmp_path, run_
         if how == "warm":
             zygote = named(evs, "zygote_ready")
             assert len(zygote) == 1 and zygote[0]["threads"] == 1, zygote
+            # The default preloads: what DDP imports by its first step.
+            assert zygote[0]["preload"] == ["torch", "torch._dynamo"]
             assert not named(evs, "zygote_fallback")
     assert reports["warm"] == reports["cold"]
     count = int(re.search(r"^num_threads (\d+)$", reports["cold"], re.M).group(1))
@@ -769,7 +773,8 @@ def test_a_cold_restart_uses_a_cycle_store_that_listens_before_the_workers(tmp_p
     MASTER_PORT = the store's port) and the all-reduce still adds up; cycle 0 started before
     the zygote was ready, so rank 0 hosted its store."""
     out = tmp_path / "out"
-    res = run_launcher(run_dir, "--nproc-per-node", "2", "--max-restarts", "1", "--ft-agent-store",
+    res = run_launcher(run_dir, "--nproc-per-node", "2", "--max-restarts", "1",
+                       "--no-ft-warm-restart", "--ft-agent-store",
                        str(SCRIPTS / "agent_store.py"), str(out), timeout=170)
     assert res.returncode == 0, res.stdout[-3000:]
     evs = events(run_dir)
@@ -792,9 +797,10 @@ def test_no_agent_store_no_zygote(tmp_path):
 
     script = tmp_path / "train.py"
     script.write_text("pass\n")
-    for ft, nnodes, zygote in ((FaultToleranceConfig(), 1, False),  # off by default
-                               (FaultToleranceConfig(agent_store=True), 2, False),
-                               (FaultToleranceConfig(agent_store=True), 1, True)):
+    cold = FaultToleranceConfig(warm_restart=False)
+    for ft, nnodes, zygote in ((cold, 1, False),  # the agent store is off by default
+                               (dataclasses.replace(cold, agent_store=True), 2, False),
+                               (dataclasses.replace(cold, agent_store=True), 1, True)):
         cfg = LaunchConfig(entrypoint=[sys.executable, "-u", str(script)], script_args=[],
                            run_dir=tmp_path / "run", max_nodes=nnodes, ft=ft)
         pool = StandbyPool(cfg, tmp_path / "standby", lambda name, **f: None)

@@ -1,7 +1,8 @@
 """Warm restart: one standby process per local rank, ready to become the next worker.
 
-With ``--ft-warm-restart`` (YAML ``warm_restart: true``) the launcher keeps one standby per
-local rank that already imported the ``--ft-preload`` modules (default ``torch``) and waits
+With warm restart on (the default; ``--no-ft-warm-restart`` or YAML ``warm_restart: false``
+turn it off) the launcher keeps one standby per local rank that already imported the
+``--ft-preload`` modules (default ``torch`` and ``torch._dynamo``) and waits
 (``worker_side/activation.py`` runs inside it). A restart hands each ready standby the new
 cycle's argv and environment; it runs the training script in place, so the worker skips the
 interpreter start and the imports. Local ranks without a ready standby start cold.
