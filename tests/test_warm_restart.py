@@ -583,6 +583,33 @@ def test_the_first_cycle_wait_is_bounded_and_ends_on_a_signal():
     assert wait == FirstCycleWait() and clock.pauses == 0  # nothing to wait for: no wait
 
 
+def test_a_first_cycle_wait_that_times_out_is_said_in_an_event(tmp_path, monkeypatch):
+    """Standbys never ready: the first cycle starts once the limit passed, and says so in
+    one standbys_not_ready event (not only a log line)."""
+    from ft_launcher import join
+    from ft_launcher.config import LaunchConfig
+    from ft_launcher.signals import SignalBox
+
+    class NeverReady:
+        ticks = 0
+
+        def first_cycle_waits(self) -> bool:
+            return True
+
+        def tick(self, training_started: bool) -> None:
+            self.ticks += 1
+
+    monkeypatch.setattr(join, "FIRST_CYCLE_WAIT_S", 0.2)
+    seen: list[tuple[str, dict]] = []
+    cfg = LaunchConfig(entrypoint=[sys.executable, "-u", "t.py"], script_args=[],
+                       run_dir=tmp_path / "run")
+    standbys = NeverReady()
+    joiner = join.Joiner(cfg, None, standbys, SignalBox(), lambda n, **f: seen.append((n, f)),
+                         tmp_path, gpus=lambda: 0)
+    assert joiner.await_standbys(0) is None
+    assert seen == [("standbys_not_ready", {"waited_s": 0.2})] and standbys.ticks > 0
+
+
 def test_failing_preload_disables_warm_restart_once(tmp_path, run_dir):
     script = tmp_path / "wait_disabled.py"
     script.write_text(WAIT_FOR_DISABLED)
