@@ -232,7 +232,8 @@ def _warm_table(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> list[str]:
         keys = sorted({k for rs in per.values() for r in rs for k, v in r.items()
                        if isinstance(v, (int, float)) and not isinstance(v, bool)})
         for key in keys:
-            cold = [r.get(key) for r in per.get("ours", [])]
+            # the cold launcher: ours-cold, or ours in files written while cold was the default
+            cold = [r.get(key) for r in per.get("ours-cold", per.get("ours", []))]
             warm = [r.get(key) for r in per.get("ours-warm", [])]
             # cold ÷ warm of the same repeat
             pairs = [a / b for a, b in zip(cold, warm, strict=False)
