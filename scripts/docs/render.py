@@ -194,6 +194,7 @@ BENCH_RUNS = [  # (file, section title); files written by scripts/bench/bench.py
     ("footprint.json", "Launcher footprint, 8 ranks"),
     ("goodput.json", "Start-up and goodput with a kill and a hang"),
     ("results.json", "Full run of every measure"),
+    ("crash_defaults.json", "Crash recovery with the defaults (warm restart on) and with it off"),
 ]
 
 WARM_KEYS = {
@@ -367,7 +368,10 @@ def benchmarks_page() -> str:
              "each figure), commit the JSON and run `" + COMMAND + "`.", "",
              "Cells are median (min–max) over runs; a ratio is taken per pair of runs of the "
              "same repeat, then median (min–max); a ratio > 1 means ours is better. "
-             "`ours-warm` is ours with `--ft-warm-restart`.", ""]
+             "`ours` is ft_launcher with its defaults (warm restart on) except where a "
+             "section says it ran with warm restart off; `ours-cold` is ours with "
+             "`--no-ft-warm-restart`, `ours-warm` ours with `--ft-warm-restart` and the "
+             "preloads the section names.", ""]
     for name, title in BENCH_RUNS:
         doc = _load(name)
         section = _demote(report.markdown(doc), f"{title} (`{name}`)")
