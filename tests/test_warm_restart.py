@@ -472,6 +472,7 @@ def test_the_first_cycle_waits_for_the_zygote_whatever_omp_num_threads(tmp_path,
 
     script = tmp_path / "train.py"
     script.write_text("pass\n")
+    monkeypatch.setenv("MKL_NUM_THREADS", "2")  # read before OMP_NUM_THREADS by torch
     for nproc, preload, omp in ((2, ["torch"], None), (1, ["torch"], None),
                                 (1, ["torch"], "4"), (1, ["json"], None)):
         if omp is None:
@@ -488,7 +489,7 @@ def test_the_first_cycle_waits_for_the_zygote_whatever_omp_num_threads(tmp_path,
             pid = pool.zygote.proc.pid
             assert os.sched_getscheduler(pid) == os.SCHED_OTHER, case
             environ = psutil.Process(pid).environ()
-            assert environ["OMP_NUM_THREADS"] == "1", case
+            assert environ["OMP_NUM_THREADS"] == environ["MKL_NUM_THREADS"] == "1", case
             pool.cycle_started()
             assert not pool.first_cycle_waits()  # later cycles never wait
         finally:
