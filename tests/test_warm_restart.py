@@ -391,6 +391,10 @@ def test_zygote_forks_standbys_fast_and_refills_them_after_each_restart(tmp_path
             assert sorted(started["pids"]) == sorted(e["pid"] for e in ready)
         warm_workers = named(events(run_dir), "workers_started")[2]["pids"]
         assert all(psutil.Process(p).ppid() == proc.pid for p in warm_workers)
+        # Found as the run's processes (a cold worker by FT_RUN_DIR in /proc/PID/environ,
+        # which for a warm one is the zygote's, given FT_RUN_DIR for that): the suite's
+        # leftover check sees them.
+        assert set(warm_workers) <= {p.pid for p in processes_of(run_dir)}
         proc.kill()  # SIGKILL: the zygote, the standbys and the warm workers die with it
         proc.communicate(timeout=30)
         wait_for(lambda: _gone(pids + warm_workers), 5,

@@ -48,7 +48,7 @@ Limits (what a preloaded module may not rely on):
   survive into the worker.
 - ``/proc/PID/cmdline`` (what ``ps`` and ``pkill -f`` read) shows the cold worker's command
   line, as one string (setproctitle); ``/proc/PID/environ`` still shows the zygote's first
-  environment; forked standbys share the zygote's string hash seed.
+  environment (with the run's ``FT_RUN_DIR``); forked standbys share the zygote's string hash seed.
 """
 
 import _signal  # not ``signal``: a fresh interpreter has only the C module loaded
