@@ -139,8 +139,9 @@ FT_OPTIONS = [
      "File holding the last checkpointed iteration (written by the training)."),
     ("--ft-warm-restart/--no-ft-warm-restart", "warm_restart",
      "Start workers from standbys with the preloads imported, forked from one zygote per "
-     "node, for the first cycle and every restart, without a fresh import [off]."),
-    ("--ft-preload", "preload", "Modules standby workers import [torch]."),
+     "node, for the first cycle and every restart, without a fresh import [on]."),
+    ("--ft-preload", "preload", "Modules standby workers import, comma-separated "
+     "[torch,torch._dynamo]."),
     ("--ft-agent-store/--no-ft-agent-store", "agent_store",
      "One node: host each cycle's TCPStore in a process listening before the workers "
      "start, so no rank waits out the store client's retry back-off (warm restart "

@@ -162,9 +162,13 @@ EVENTS: dict[str, EventDoc] = {
     "standby_died": EventDoc(
         "warm restart", "a standby died before it was used",
         "local_rank, pid, forked, was_ready, exit_code, signal"),
+    "standbys_not_ready": EventDoc(
+        "warm restart", "the first cycle waited its limit for the zygote's forks: ranks "
+        "without a ready standby start cold", "waited_s"),
     "store_taken": EventDoc(
         "warm restart", "the cycle's TCPStore, hosted by a fork of the zygote, was taken",
         "port, pid"),
     "warm_restart_disabled": EventDoc(
-        "warm restart", "warm restart is off for this job (a preload failed)", "reason"),
+        "warm restart", "warm restart is off for this job (a preload failed, --no-python, ...)",
+        "reason"),
 }

@@ -4,7 +4,6 @@ cycle before it starts (a ``CycleResult``); otherwise ``join`` returns the round
 
 from __future__ import annotations
 
-import logging
 import signal
 from collections.abc import Callable
 from typing import Any
@@ -21,8 +20,6 @@ from ft_launcher.nodes.rendezvous import (
 from ft_launcher.policy import CycleResult, Outcome
 from ft_launcher.signals import SignalBox
 from ft_launcher.warm.standby_pool import await_first_cycle
-
-log = logging.getLogger("ft_launcher")
 
 # The first cycle waits this long at most for the warm-restart zygote's forks (its import
 # of torch takes seconds); ranks without a ready standby then start cold.
@@ -86,7 +83,6 @@ class Joiner:
 
         wait = await_first_cycle(self.standbys.first_cycle_waits, pause,
                                  self.signals.terminating, FIRST_CYCLE_WAIT_S)
-        if wait.timed_out:
-            log.warning("cycle %d: standbys not ready after %.0f s; ranks without one "
-                        "start cold", cycle, FIRST_CYCLE_WAIT_S)
+        if wait.timed_out:  # a fallback like the others: said once, in an event
+            self.events("standbys_not_ready", waited_s=FIRST_CYCLE_WAIT_S)
         return wait.signum

@@ -115,8 +115,10 @@ def test_smoke_values_are_sane(smoke: tuple[dict, Path]) -> None:
         assert 0 < raw["startup"][launcher][0]["startup_s"] < 30
 
     fp = raw["footprint"]["ours"][0]
-    # The launcher and its guardian (which kills the worker groups if the launcher dies).
-    assert fp["processes"] == 2
+    # The launcher and its guardian (which kills the worker groups if the launcher dies),
+    # and with warm restart on by default the zygote and up to one standby per local rank.
+    ranks = bench.PROFILES["smoke"].footprint_ranks
+    assert 3 <= fp["processes"] <= 3 + ranks, fp
     assert fp["cpu_pct"] >= 0 and 0 < fp["pss_mb"] <= fp["rss_mb"]
 
     ours_training, torchrun_training = raw["training"]["ours"][0], raw["training"]["torchrun"][0]
@@ -176,11 +178,26 @@ def test_warm_variant_wiring() -> None:
     assert warm[i + 3:] == ours[i:]
     assert measures.Settings().warm_preload == "torch,torch._dynamo"
     every = list(bench.ALL_LAUNCHERS)
-    assert every == ["ours", "ours-warm", "torchrun", "nvrx"]
+    assert every == ["ours", "ours-cold", "ours-warm", "torchrun", "nvrx"]
     for kind in ("crash", "faulted", "clean"):  # clean: the start-up and goodput runs
         assert bench.launchers_for(kind, every) == every, kind
     for kind in ("heartbeat", "hang", "footprint", "training"):
-        assert "ours-warm" not in bench.launchers_for(kind, every), kind
+        assert not {"ours-warm", "ours-cold"} & set(bench.launchers_for(kind, every)), kind
+
+
+def test_ours_means_the_defaults_and_ours_cold_turns_warm_restart_off() -> None:
+    lnch = measures.Launchers(ours=["ft_launcher"])
+    ours = lnch.argv("ours", 2, 1, Path("/w"), ["--x"])
+    assert not [a for a in ours if "warm-restart" in a or a == "--ft-preload"]
+    cold = lnch.argv("ours-cold", 2, 1, Path("/w"), ["--x"])
+    i = cold.index("--no-ft-warm-restart")
+    assert cold[:i] + cold[i + 1:] == ours
+    store = lnch.argv("ours-store", 2, 1, Path("/w"), ["--x"])
+    assert "--no-ft-warm-restart" in store and "--ft-agent-store" in store
+    smoke = lnch.argv("ours", 2, 1, Path("/w"), ["--x"], ours_preload="json")
+    assert smoke[smoke.index("--ft-preload") + 1] == "json"
+    assert bench.PROFILES["smoke"].ours_preload == "json" and \
+        bench.PROFILES["full"].ours_preload is None
 
 
 def test_ready_standbys_follows_take_over_and_death() -> None:

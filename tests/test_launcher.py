@@ -84,7 +84,8 @@ def test_killed_worker_restarts_and_resumes_from_checkpoint(run_dir):
     assert s["restarts"] == 1 and s["cycles"] == 2
     killed = [w for w in s["workers"] if w["cycle"] == 0 and not w["stopped_by_launcher"]]
     assert killed == [{"cycle": 0, "rank": 1, "local_rank": 1, "pid": pid, "exit_code": None,
-                       "signal": "SIGKILL", "stopped_by_launcher": False, "warm": False}]
+                       "signal": "SIGKILL", "stopped_by_launcher": False,
+                       "warm": True}]  # the default: the first cycle's workers are forks too
     resumed = (run_dir / "logs" / "cycle_1" / "rank_0.log").read_text()
     start = int(resumed.split("resumed from step ")[1].split()[0])
     assert start >= 10, "the restart lost checkpointed progress"
@@ -238,7 +239,11 @@ def test_two_launchers_on_loopback_form_one_world_and_restart_together(tmp_path,
     assert results[f"cycle_{last}_rank_0.json"]["sum"] == 3.0
     assert results[f"cycle_{last}_rank_1.json"]["sum"] == 3.0
     for d in dirs:
-        assert len(named(events(d), "workers_started")) >= 2, f"{d.name} did not restart"
+        started = named(events(d), "workers_started")
+        assert len(started) >= 2, f"{d.name} did not restart"
+        # Warm restart, the default, on several nodes too: each node's first cycle is
+        # forked from its own zygote.
+        assert started[0]["warm"] == [True], (d.name, started)
 
 
 # -- bad input: one clear line, non-zero exit, no traceback ------------------------------

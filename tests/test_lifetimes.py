@@ -23,12 +23,12 @@ def run_under_subreaper(run_dir: Path, *args: str, watch_s: float = 2.0) -> dict
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm-restart"])
-def test_a_clean_exit_leaves_no_process_behind(run_dir: Path, warm: bool):
+@pytest.mark.parametrize("extra", [["--no-ft-warm-restart"], ["--ft-preload", "json"], []],
+                         ids=["cold", "warm-restart", "defaults"])
+def test_a_clean_exit_leaves_no_process_behind(run_dir: Path, extra: list[str]):
     """Two workers that exit 0: afterwards no process of the launcher's (the guardian
-    included; with warm restart the zygote and the standbys too) is left, running or as a
-    zombie."""
-    extra = ["--ft-warm-restart", "--ft-preload", "json"] if warm else []
+    included; with warm restart, the default, the zygote and the standbys too) is left,
+    running or as a zombie."""
     out = run_under_subreaper(run_dir, "--nproc-per-node", "2", *extra,
                               str(SCRIPTS / "env_dump.py"))
     assert out["returncode"] == 0

@@ -189,6 +189,7 @@ def test_role_local_addr_and_virtual_local_rank_are_carried(script):
 
 
 def test_start_method_spawn_is_a_cold_start_and_fork_a_warm_one(script):
+    assert _parse([], script).ft.warm_restart is True  # the default: warm
     assert _parse(["--start-method", "spawn"], script).ft.warm_restart is False
     assert _parse(["--start_method", "fork"], script).ft.warm_restart is True
     assert _parse(["--start-method", "forkserver"], script).ft.warm_restart is True
@@ -197,6 +198,7 @@ def test_start_method_spawn_is_a_cold_start_and_fork_a_warm_one(script):
         _parse(["--start-method", "spawn", "--ft-warm-restart"], script)
     with pytest.raises(ConfigError, match="PET_START_METHOD fork"):
         _parse(["--no-ft-warm-restart"], script, {"PET_START_METHOD": "fork"})
+    assert _parse([], script, {"PET_START_METHOD": "spawn"}).ft.warm_restart is False
 
 
 def test_shutdown_timeout_is_the_term_timeout(script):

@@ -6,6 +6,7 @@ killed by the pids the launcher reports in its ``standby_ready`` events.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -66,7 +67,7 @@ def _spares(run_dir: Path) -> list[dict]:
 def _train_and_kill_rank1(run_dir: Path, warm: bool) -> dict[tuple[int, int], str]:
     """train_ddp with 2 ranks; SIGKILL rank 1 once a checkpoint exists (and, warm, once both
     spare standbys are ready); return (rank, step) -> loss over every cycle's log."""
-    flags = ["--ft-warm-restart"] if warm else []
+    flags = ["--ft-warm-restart"] if warm else ["--no-ft-warm-restart"]
     cmd = launcher_cmd(run_dir, "--nproc-per-node", "2", "--max-restarts", "1", *flags,
                        str(EXAMPLES / "train_ddp.py"), "--steps", "300", "--ckpt-every", "10",
                        "--step-time", "0.03")
@@ -208,7 +209,8 @@ def test_warm_worker_sees_a_fresh_process(tmp_path, run_dir, mode):
         main_file = str(work / "semantics_mod.py")
     # What a fresh process sees: the same launch without warm restart (it exits at once).
     cold_dir = tmp_path / "cold_run"
-    cold_run = subprocess.run(launcher_cmd(cold_dir, "--nproc-per-node", "2", *entry, "cold"),
+    cold_run = subprocess.run(launcher_cmd(cold_dir, "--nproc-per-node", "2",
+                                           "--no-ft-warm-restart", *entry, "cold"),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               cwd=cwd, timeout=60)
     assert cold_run.returncode == 0, cold_run.stdout
@@ -389,6 +391,10 @@ def test_zygote_forks_standbys_fast_and_refills_them_after_each_restart(tmp_path
             assert sorted(started["pids"]) == sorted(e["pid"] for e in ready)
         warm_workers = named(events(run_dir), "workers_started")[2]["pids"]
         assert all(psutil.Process(p).ppid() == proc.pid for p in warm_workers)
+        # Found as the run's processes (a cold worker by FT_RUN_DIR in /proc/PID/environ,
+        # which for a warm one is the zygote's, given FT_RUN_DIR for that): the suite's
+        # leftover check sees them.
+        assert set(warm_workers) <= {p.pid for p in processes_of(run_dir)}
         proc.kill()  # SIGKILL: the zygote, the standbys and the warm workers die with it
         proc.communicate(timeout=30)
         wait_for(lambda: _gone(pids + warm_workers), 5,
@@ -461,39 +467,86 @@ def test_sigterm_while_the_first_cycle_waits_for_the_zygote(tmp_path, run_dir):
     wait_for(lambda: _gone([zygote]), 5, "the zygote to die")
 
 
-def test_the_first_cycle_waits_only_for_a_zygote_expected_safe(tmp_path, monkeypatch):
-    """torch's OpenMP pool makes a zygote unsafe to fork unless OMP_NUM_THREADS=1 (the
-    launcher sets it for several local ranks): the first cycle does not wait for a zygote
-    that is bound to fall back, which then imports at idle priority as before."""
+def test_the_first_cycle_waits_for_the_zygote_whatever_omp_num_threads(tmp_path, monkeypatch):
+    """The zygote imports with OMP_NUM_THREADS=1 whatever the workers get (torch's OpenMP
+    pool would make it unsafe to fork), so the first cycle waits for its forks with one
+    local rank and the variable unset too, and the zygote imports at full priority."""
     from ft_launcher.config import FaultToleranceConfig, LaunchConfig
     from ft_launcher.warm.standby_pool import StandbyPool
 
     script = tmp_path / "train.py"
     script.write_text("pass\n")
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    for nproc, preload, omp, waits in ((2, ["torch"], None, True),
-                                       (1, ["torch"], None, False),
-                                       (1, ["torch"], "1", True),
-                                       (1, ["torch"], "4", False),
-                                       (1, ["json"], None, True)):
+    monkeypatch.setenv("MKL_NUM_THREADS", "2")  # read before OMP_NUM_THREADS by torch
+    for nproc, preload, omp in ((2, ["torch"], None), (1, ["torch"], None),
+                                (1, ["torch"], "4"), (1, ["json"], None)):
         if omp is None:
             monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
         else:
             monkeypatch.setenv("OMP_NUM_THREADS", omp)
         cfg = LaunchConfig(entrypoint=[sys.executable, "-u", str(script)], script_args=[],
                            nproc_per_node=nproc, run_dir=tmp_path / "run",
-                           ft=FaultToleranceConfig(warm_restart=True, preload=preload))
+                           ft=FaultToleranceConfig(preload=preload))
         pool = StandbyPool(cfg, tmp_path / "standby", lambda name, **f: None)
         try:
             case = (nproc, preload, omp)
-            assert pool.warm_first_cycle is waits, case
-            assert pool.first_cycle_waits() is waits, case  # the zygote is still importing
-            policy = os.sched_getscheduler(pool.zygote.proc.pid)
-            assert policy == (os.SCHED_OTHER if waits else os.SCHED_IDLE), case
+            assert pool.warm_first_cycle and pool.first_cycle_waits(), case
+            pid = pool.zygote.proc.pid
+            assert os.sched_getscheduler(pid) == os.SCHED_OTHER, case
+            environ = psutil.Process(pid).environ()
+            assert environ["OMP_NUM_THREADS"] == environ["MKL_NUM_THREADS"] == "1", case
             pool.cycle_started()
             assert not pool.first_cycle_waits()  # later cycles never wait
         finally:
             pool.close()
+
+
+THREADS = """import os, sys, torch
+x = torch.randn(256, 256)
+(x @ x).sum()  # a parallel region: OpenMP's pool starts here
+print("num_threads", torch.get_num_threads())
+print("preloaded", "torch" in sys.modules)
+print(torch.__config__.parallel_info())
+"""
+
+
+@pytest.mark.parametrize("omp", [None, "1", "3"])
+def test_one_local_rank_is_warm_with_the_threads_of_a_cold_worker(tmp_path, run_dir, omp):
+    """One local rank, OMP_NUM_THREADS unset (torch then uses every core) or set: the
+    default launch is warm from the first cycle, forked from a zygote with no thread but
+    its own, and torch in the worker reports what it reports in a cold one: same thread
+    counts for ATen, OpenMP and MKL."""
+    script = tmp_path / "threads.py"
+    script.write_text(THREADS)
+    env = {} if omp is None else {"OMP_NUM_THREADS": omp}
+    reports = {}
+    for how, args in (("warm", []), ("cold", ["--no-ft-warm-restart"])):
+        where = run_dir / how
+        res = run_launcher(where, *args, str(script), timeout=120, env=env)
+        assert res.returncode == 0, res.stdout
+        evs = events(where)
+        assert named(evs, "workers_started")[0]["warm"] == [how == "warm"]
+        reports[how] = (where / "logs" / "cycle_0" / "rank_0.log").read_text()
+        if how == "warm":
+            zygote = named(evs, "zygote_ready")
+            assert len(zygote) == 1 and zygote[0]["threads"] == 1, zygote
+            # The default preloads: what DDP imports by its first step.
+            assert zygote[0]["preload"] == ["torch", "torch._dynamo"]
+            assert not named(evs, "zygote_fallback")
+    assert reports["warm"] == reports["cold"]
+    count = int(re.search(r"^num_threads (\d+)$", reports["cold"], re.M).group(1))
+    assert count == 1 if omp == "1" else count >= 1
+
+
+def test_cold_thread_count_reads_the_variables_as_torch_does():
+    count = activation.cold_thread_count
+    assert count({}, 8) == 8
+    assert count({"OMP_NUM_THREADS": "3"}, 8) == 3
+    assert count({"OMP_NUM_THREADS": "12"}, 8) == 8  # no more than the cores
+    assert count({"OMP_NUM_THREADS": " 4,2"}, 8) == 4  # std::stoi: the leading integer
+    assert count({"OMP_NUM_THREADS": "3", "MKL_NUM_THREADS": "1"}, 8) == 1  # MKL's first
+    assert count({"OMP_NUM_THREADS": "0", "MKL_NUM_THREADS": "5"}, 8) == 5
+    assert count({"OMP_NUM_THREADS": "x", "MKL_NUM_THREADS": "-1"}, 8) == 8
+    assert count({"MKL_NUM_THREADS": "+6"}, 8) == 6
 
 
 class _FakeClock:
@@ -535,6 +588,33 @@ def test_the_first_cycle_wait_is_bounded_and_ends_on_a_signal():
     assert wait == FirstCycleWait() and clock.pauses == 0  # nothing to wait for: no wait
 
 
+def test_a_first_cycle_wait_that_times_out_is_said_in_an_event(tmp_path, monkeypatch):
+    """Standbys never ready: the first cycle starts once the limit passed, and says so in
+    one standbys_not_ready event (not only a log line)."""
+    from ft_launcher import join
+    from ft_launcher.config import LaunchConfig
+    from ft_launcher.signals import SignalBox
+
+    class NeverReady:
+        ticks = 0
+
+        def first_cycle_waits(self) -> bool:
+            return True
+
+        def tick(self, training_started: bool) -> None:
+            self.ticks += 1
+
+    monkeypatch.setattr(join, "FIRST_CYCLE_WAIT_S", 0.2)
+    seen: list[tuple[str, dict]] = []
+    cfg = LaunchConfig(entrypoint=[sys.executable, "-u", "t.py"], script_args=[],
+                       run_dir=tmp_path / "run")
+    standbys = NeverReady()
+    joiner = join.Joiner(cfg, None, standbys, SignalBox(), lambda n, **f: seen.append((n, f)),
+                         tmp_path, gpus=lambda: 0)
+    assert joiner.await_standbys(0) is None
+    assert seen == [("standbys_not_ready", {"waited_s": 0.2})] and standbys.ticks > 0
+
+
 def test_failing_preload_disables_warm_restart_once(tmp_path, run_dir):
     script = tmp_path / "wait_disabled.py"
     script.write_text(WAIT_FOR_DISABLED)
@@ -559,17 +639,19 @@ def test_no_python_runs_cold_with_one_event(tmp_path, run_dir):
     assert named(events(run_dir), "workers_started")[0]["warm"] == [False]
 
 
-@pytest.mark.parametrize("how", ["default", "flag over yaml"])
-def test_off_by_default_no_standby(tmp_path, run_dir, how):
+@pytest.mark.parametrize("how", ["flag", "yaml", "flag over yaml", "start method spawn"])
+def test_turned_off_no_standby(tmp_path, run_dir, how):
     script = tmp_path / "hb.py"
     script.write_text("from ft_agent import RankMonitorClient\n"
                       "import time\nft = RankMonitorClient()\nft.init_workload_monitoring()\n"
                       "for _ in range(20):\n    ft.send_heartbeat()\n    time.sleep(0.05)\n")
-    args = []
-    if how == "flag over yaml":  # --no-ft-warm-restart wins over the file's warm_restart
-        cfg = tmp_path / "ft.yaml"
-        cfg.write_text("fault_tolerance:\n  warm_restart: true\n")
-        args = ["--ft-cfg-path", str(cfg), "--no-ft-warm-restart"]
+    cfg = tmp_path / "ft.yaml"
+    args = {"flag": ["--no-ft-warm-restart"],
+            "yaml": ["--ft-cfg-path", str(cfg)],
+            # --no-ft-warm-restart wins over the file's warm_restart
+            "flag over yaml": ["--ft-cfg-path", str(cfg), "--no-ft-warm-restart"],
+            "start method spawn": ["--start-method", "spawn"]}[how]
+    cfg.write_text(f"fault_tolerance:\n  warm_restart: {'false' if how == 'yaml' else 'true'}\n")
     res = run_launcher(run_dir, "--nproc-per-node", "2", *args, str(script), timeout=60)
     assert res.returncode == 0, res.stdout
     names = {e["event"] for e in events(run_dir)}
@@ -723,7 +805,8 @@ def test_a_cold_restart_uses_a_cycle_store_that_listens_before_the_workers(tmp_p
     MASTER_PORT = the store's port) and the all-reduce still adds up; cycle 0 started before
     the zygote was ready, so rank 0 hosted its store."""
     out = tmp_path / "out"
-    res = run_launcher(run_dir, "--nproc-per-node", "2", "--max-restarts", "1", "--ft-agent-store",
+    res = run_launcher(run_dir, "--nproc-per-node", "2", "--max-restarts", "1",
+                       "--no-ft-warm-restart", "--ft-agent-store",
                        str(SCRIPTS / "agent_store.py"), str(out), timeout=170)
     assert res.returncode == 0, res.stdout[-3000:]
     evs = events(run_dir)
@@ -746,9 +829,10 @@ def test_no_agent_store_no_zygote(tmp_path):
 
     script = tmp_path / "train.py"
     script.write_text("pass\n")
-    for ft, nnodes, zygote in ((FaultToleranceConfig(), 1, False),  # off by default
-                               (FaultToleranceConfig(agent_store=True), 2, False),
-                               (FaultToleranceConfig(agent_store=True), 1, True)):
+    cold = FaultToleranceConfig(warm_restart=False)
+    for ft, nnodes, zygote in ((cold, 1, False),  # the agent store is off by default
+                               (dataclasses.replace(cold, agent_store=True), 2, False),
+                               (dataclasses.replace(cold, agent_store=True), 1, True)):
         cfg = LaunchConfig(entrypoint=[sys.executable, "-u", str(script)], script_args=[],
                            run_dir=tmp_path / "run", max_nodes=nnodes, ft=ft)
         pool = StandbyPool(cfg, tmp_path / "standby", lambda name, **f: None)

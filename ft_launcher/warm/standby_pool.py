@@ -1,7 +1,8 @@
 """Warm restart: one standby process per local rank, ready to become the next worker.
 
-With ``--ft-warm-restart`` (YAML ``warm_restart: true``) the launcher keeps one standby per
-local rank that already imported the ``--ft-preload`` modules (default ``torch``) and waits
+With warm restart on (the default; ``--no-ft-warm-restart`` or YAML ``warm_restart: false``
+turn it off) the launcher keeps one standby per local rank that already imported the
+``--ft-preload`` modules (default ``torch`` and ``torch._dynamo``) and waits
 (``worker_side/activation.py`` runs inside it). A restart hands each ready standby the new
 cycle's argv and environment; it runs the training script in place, so the worker skips the
 interpreter start and the imports. Local ranks without a ready standby start cold.
@@ -17,10 +18,10 @@ Where standbys come from:
   again. A forked standby shares the imported pages copy-on-write and is ready in
   milliseconds. The first cycle waits for them (``first_cycle_waits``), so its workers are
   forks too and the node imports torch once: the zygote then imports at full priority.
-  Where forking is expected to be unsafe (torch preloaded and ``OMP_NUM_THREADS`` not 1:
-  torch's OpenMP pool starts at import) nothing waits, and the zygote imports under
-  ``SCHED_IDLE`` until the first cycle trains (``tick(True)``) or ``SPAWN_DELAY_S`` passed,
-  so it does not slow that cycle's start; it usually falls back then. The launcher is a child
+  The zygote imports with ``OMP_NUM_THREADS=1``, so torch starts no OpenMP pool in it (a
+  thread there would make forking unsafe); each worker made from a fork sets torch's thread
+  count back to what a cold worker gets for its own environment
+  (``activation.restore_thread_count``). The launcher is a child
   subreaper (``PR_SET_CHILD_SUBREAPER``) and adopts each standby, so a worker made from one
   is the launcher's own child like a cold worker (exit status, SIGCHLD, PDEATHSIG relative
   to the launcher), and the zygote's death costs no worker anything.
@@ -126,8 +127,7 @@ class StandbyPool:
         self.zygotes = ZygoteSide(cfg.run_dir, log_dir, self._preload(), self.stores_only)
         # The first cycle's workers come from the zygote's forks (see first_cycle_waits),
         # so the zygote imports at full priority from its start.
-        self.warm_first_cycle = self.enabled and forks_expected(self.entry, cfg.ft.preload,
-                                                                  self.env)
+        self.warm_first_cycle = self.enabled and forks_expected(self.entry)
         self._first_cycle = True
         if (self.enabled or self.stores_only) and self.entry is not None:
             why = self.zygotes.start(self.entry, self.env, idle=not self.warm_first_cycle)
@@ -397,13 +397,12 @@ class StandbyPool:
         self.close()
 
 
-def forks_expected(entry: PythonEntry | None, preload: list[str], env: dict[str, str]) -> bool:
+def forks_expected(entry: PythonEntry | None) -> bool:
     """Whether the zygote is expected to be safe to fork, so that the first cycle may
-    wait for it. torch starts its OpenMP pool at import unless ``OMP_NUM_THREADS`` is
-    1 (the launcher sets that for several local ranks, as torchrun does): the zygote
-    would then fall back after its whole import, and waiting for it would only have
-    delayed the start. Other unsafe preloads are found out by the zygote."""
-    return entry is not None and ("torch" not in preload or env.get("OMP_NUM_THREADS") == "1")
+    wait for it: whenever the training program is a Python script. The zygote imports
+    with ``OMP_NUM_THREADS=1`` (``ZygoteSide.start``), so torch starts no OpenMP pool there
+    whatever the workers' setting; unsafe preloads are found out by the zygote."""
+    return entry is not None
 
 
 def standby_env(spec: WorkerSpec) -> dict[str, str]:

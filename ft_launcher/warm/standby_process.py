@@ -295,6 +295,13 @@ def standby_sink(log_dir: Path, local_rank: int) -> Sink:
     return Sink(open_log(log_path), None, label=f"standby {local_rank}")
 
 
+def run_dir_env(env: dict[str, str], run_dir: Path) -> dict[str, str]:
+    """A standby's (or the zygote's) environment with the run's ``FT_RUN_DIR``, as its
+    workers get it: ``/proc/PID/environ`` of a worker made from a standby keeps showing
+    the environment the standby started with, and tools find a run's workers by it."""
+    return {**env, "FT_RUN_DIR": str(run_dir.absolute())}
+
+
 def spawn_standby(entry: PythonEntry, local_rank: int, run_dir: Path, preload: list[str],
                   env: dict[str, str], log_dir: Path) -> Standby:
     """A fresh interpreter that imports ``preload`` and waits as a standby (raises
@@ -304,7 +311,7 @@ def spawn_standby(entry: PythonEntry, local_rank: int, run_dir: Path, preload: l
             entry.sys_path0(), ",".join(preload)]
     sink = standby_sink(log_dir, local_rank)
     try:
-        proc = spawn_process(argv, env, stdin=subprocess.PIPE)
+        proc = spawn_process(argv, run_dir_env(env, run_dir), stdin=subprocess.PIPE)
     except OSError:
         sink.close()
         raise

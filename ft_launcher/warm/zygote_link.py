@@ -26,6 +26,7 @@ from ft_launcher.warm.standby_process import (
     kill_group,
     memory_mb,
     parent_of,
+    run_dir_env,
     standby_sink,
 )
 
@@ -215,9 +216,11 @@ class ZygoteSide:
         if not self.adopting:
             return ("the launcher cannot adopt forked standbys "
                     "(prctl PR_SET_CHILD_SUBREAPER failed)")
-        # A store-only zygote runs no user code: no OpenMP pool that would make it unsafe.
-        if self.stores_only:
-            env = {**env, "OMP_NUM_THREADS": "1"}
+        # One thread at import: torch's OpenMP pool, started at import unless its count
+        # (MKL_NUM_THREADS, else OMP_NUM_THREADS, else the cores) is 1, would make every fork
+        # unsafe. The workers get their own count back at activation
+        # (activation.restore_thread_count); a store host needs no threads.
+        env = {**run_dir_env(env, self.run_dir), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         try:
             self.zygote = Zygote.spawn(entry, self.run_dir, self.preload, env, self.log_dir,
                                        idle=idle)

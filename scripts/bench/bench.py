@@ -11,8 +11,9 @@ goodput (fault-free wall / wall under a kill and a hang). Runs of one measure ar
 interleaved across launchers, so each repeat gives one pair of runs per launcher taken under
 the same load; ratios are per pair.
 
-Launchers: ours, ours-warm (ours with --ft-warm-restart --ft-preload torch,torch._dynamo;
-only in crash, startup and goodput, where it starts or restarts differently), torchrun, nvrx.
+Launchers: ours (its defaults: warm restart on), ours-cold (--no-ft-warm-restart) and
+ours-warm (--ft-warm-restart --ft-preload torch,torch._dynamo), the last two only in crash,
+startup and goodput, where they start or restart differently; torchrun, nvrx.
 
 Writes ``results.json`` and ``RESULTS.md`` to ``--out`` (default: this folder). NVRx is
 installed on first use into ``.bench/nvrx-venv`` (see nvrx_env.py). Every process started is
@@ -51,12 +52,13 @@ from measures import Context, Launchers, Settings  # noqa: E402
 log = logging.getLogger("bench")
 
 ALL_MEASURES = ("heartbeat", "hang", "crash", "startup", "footprint", "training", "goodput")
-ALL_LAUNCHERS = ("ours", measures.WARM, "torchrun", "nvrx")
+ALL_LAUNCHERS = ("ours", measures.COLD, measures.WARM, "torchrun", "nvrx")
 # torchrun has no heartbeat client and no monitor: nothing to measure for these two.
 CLIENT_MEASURES = ("heartbeat", "footprint")
 # Warm restart changes how a cycle starts (the first cycle's workers and every restart's
-# come from the zygote): ours-warm runs where that shows. Its fault-free runs give its
-# start-up and the clean half of its goodput (its own fault-free wall over its faulted wall).
+# come from the zygote): ours-warm and ours-cold (against ours' defaults) run where that
+# shows. Their fault-free runs give their start-up and the clean half of their goodput
+# (their own fault-free wall over their faulted wall).
 WARM_KINDS = ("crash", "faulted", "clean")
 
 PROFILES: dict[str, Settings] = {
@@ -71,7 +73,7 @@ PROFILES: dict[str, Settings] = {
                       goodput_bound_s=12.0, start_bound_s=30.0, light=True,
                       # the torch-free training imports no torch: a cheap module keeps the
                       # standbys (and so ours-warm's wiring) quick to check
-                      warm_preload="json", standby_bound_s=10.0),
+                      warm_preload="json", ours_preload="json", standby_bound_s=10.0),
 }
 
 
@@ -141,7 +143,12 @@ def method(s: Settings) -> list[str]:
         "nvidia_resiliency_ext.fault_tolerance.RankMonitorClient; torchrun: none). Same "
         "environment for all: GLOO_SOCKET_IFNAME=lo, MASTER_ADDR=127.0.0.1, "
         "OMP_NUM_THREADS=1.",
-        "Launchers: ours = ft_launcher of this repository; torchrun = python -m "
+        "Launchers: ours = ft_launcher of this repository with its defaults (warm restart "
+        f"on{'' if s.ours_preload is None else ', --ft-preload ' + s.ours_preload}: "
+        "the first cycle's workers and every restart's are forks of a zygote that imported "
+        "the preloads); ours-cold = ours with --no-ft-warm-restart (every worker a fresh "
+        "interpreter), measured where it starts or restarts differently (crash, startup, "
+        "goodput); torchrun = python -m "
         "torch.distributed.run --standalone --local-addr 127.0.0.1 from the same torch; NVRx "
         "= ft_launcher of nvidia-resiliency-ext 0.4.1 in its own virtualenv "
         "(.bench/nvrx-venv, same torch and numpy) with --standalone --local-addr 127.0.0.1 "
@@ -184,8 +191,9 @@ def method(s: Settings) -> list[str]:
         "(--max-restarts 1); the figure ends at the latest first step among the new cycle's "
         "ranks, bounded by "
         f"{s.crash_bound_s:g} s (ours-warm: the SIGKILL comes once its standbys are ready, "
-        "so later after the first step). torchrun 2.13 reuses its rendezvous store across "
-        "restarts "
+        "so later after the first step; ours: at that time whether or not they are, and "
+        "the JSON keeps its restart's warm flags). torchrun 2.13 reuses its rendezvous "
+        "store across restarts "
         "and its new cycle often fails to form the gloo group (see shared/PEERS.md); such a "
         "run is reported as not recovered.",
         "startup: from just before the launcher is spawned to the latest first training step "
@@ -238,7 +246,7 @@ def launchers_for(kind: str, launchers: list[str]) -> list[str]:
     for x in launchers:
         if kind in CLIENT_MEASURES and x == "torchrun":
             continue
-        if x == measures.WARM and kind not in WARM_KINDS:
+        if x in (measures.WARM, measures.COLD) and kind not in WARM_KINDS:
             continue
         out.append(x)
     return out

@@ -29,9 +29,11 @@ HERE = Path(__file__).resolve().parent
 WORKLOAD = HERE / "workload.py"
 HB_TIMEOUT_S = 2.0  # --ft-rank-heartbeat-timeout for ours and NVRx
 INITIAL_TIMEOUT_S = 120.0  # spawn -> first heartbeat: covers torch imports on a busy machine
+# ours = ft_launcher with its defaults: warm restart on (the zygote's forks start every cycle)
 WARM = "ours-warm"  # ours with --ft-warm-restart: standby interpreters take over on a restart
-STORE = "ours-store"  # ours with --ft-agent-store: a store-only zygote hosts each cycle's store
-OURS = ("ours", WARM, STORE)
+COLD = "ours-cold"  # ours with --no-ft-warm-restart: every worker a fresh interpreter
+STORE = "ours-store"  # cold, with --ft-agent-store: a store-only zygote hosts each cycle's store
+OURS = ("ours", WARM, STORE, COLD)
 # DDP imports torch._dynamo when it is built (~1.4 s here): preloading it too is what makes a
 # warm DDP worker reach its first step quickly.
 WARM_PRELOAD = "torch,torch._dynamo"
@@ -65,6 +67,7 @@ class Settings:
     goodput_bound_s: float = 50.0  # wall-clock limit of a run under faults
     light: bool = False  # smoke only: the training without torch (workload.py --light)
     warm_preload: str = WARM_PRELOAD  # ours-warm's --ft-preload
+    ours_preload: str | None = None  # ours' --ft-preload (None: the launcher's default)
     standby_bound_s: float = 30.0  # ours-warm: how long a fault waits for ready standbys
 
 
@@ -82,9 +85,11 @@ class Launchers:
         return Launchers(ours=ours)
 
     def argv(self, name: str, nproc: int, max_restarts: int, workdir: Path,
-             workload_args: list[str], preload: str = WARM_PRELOAD) -> list[str]:
+             workload_args: list[str], preload: str = WARM_PRELOAD,
+             ours_preload: str | None = None) -> list[str]:
         """The launcher's command line with the workload and the client that goes with it
-        (``preload``: what ours-warm's standbys import)."""
+        (``preload``: what ours-warm's standbys import; ``ours_preload``: ours', when not
+        the launcher's default)."""
         n, r = str(nproc), str(max_restarts)
         hb, init = str(HB_TIMEOUT_S), str(INITIAL_TIMEOUT_S)
         if name in OURS:
@@ -94,6 +99,10 @@ class Launchers:
                     init]
             if name == WARM:
                 head += ["--ft-warm-restart", "--ft-preload", preload]
+            if name == "ours" and ours_preload is not None:
+                head += ["--ft-preload", ours_preload]
+            if name in (COLD, STORE):
+                head += ["--no-ft-warm-restart"]
             if name == STORE:
                 head += ["--ft-agent-store"]
             client = "ours"
@@ -131,7 +140,8 @@ class Context:
             workload_args: list[str]) -> Run:
         workdir = self.root / tag
         argv = self.launchers.argv(launcher, nproc, max_restarts, workdir, workload_args,
-                                   preload=self.settings.warm_preload)
+                                   preload=self.settings.warm_preload,
+                                   ours_preload=self.settings.ours_preload)
         run = Run(name=tag, argv=argv, workdir=workdir, env=base_env(workdir))
         self.runs.append(run)
         return run
@@ -279,6 +289,8 @@ def crash(ctx: Context, launcher: str, tag: str) -> Result:
     counts only when the next cycle's ``workers_started`` says every rank started warm."""
     s = ctx.settings
     ft = FtEvents(run_dir_events(ctx, tag)) if launcher == WARM else None
+    # ours (the defaults): killed when a user's fault would come; its flags say how it restarted
+    flags = FtEvents(run_dir_events(ctx, tag)) if launcher == "ours" else None
     extra: Result = {}
     with ctx.run(tag, launcher, s.nproc, 1, ctx.train_args(ENDLESS_STEPS)) as run:
         failed = _start_and_wait(run, ctx, s.nproc)
@@ -298,8 +310,8 @@ def crash(ctx: Context, launcher: str, tag: str) -> Result:
                     "note": f"not recovered within {s.crash_bound_s:.0f} s", **extra}
         t_first = max(r["t"] for r in run.first_steps(old).values())
         t_spawn = max(r["t"] for r in run.events("pid") if r["pid"] not in old)
-        if ft is not None:
-            extra["warm"] = _restart_warm_flags(run, ft, 1)
+        if ft is not None or flags is not None:
+            extra["warm"] = _restart_warm_flags(run, ft or flags, 1)  # type: ignore[arg-type]
     out = {"recovery_s": round(t_first - t_kill, 4), "respawn_s": round(t_spawn - t_kill, 4),
            **extra}
     if ft is not None and not _all_warm(extra["warm"]):

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from typing import Any
 
 WARM = "ours-warm"  # ours with warm restart; compared with ours (cold) and the others
-LAUNCHER_TITLES = {"ours": "ours", WARM: "ours-warm", "torchrun": "torchrun",
-                   "nvrx": "NVRx 0.4.1"}
+LAUNCHER_TITLES = {"ours": "ours", WARM: "ours-warm", "ours-cold": "ours-cold",
+                   "torchrun": "torchrun", "nvrx": "NVRx 0.4.1"}
 # Which ratios are taken: base launcher -> the key its ratios go under in a summary row.
 RATIO_KEYS = {"ours": "ratio_vs_ours", WARM: "ratio_vs_ours_warm"}
 

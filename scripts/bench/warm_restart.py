@@ -3,9 +3,11 @@
     python scripts/bench/warm_restart.py                 # 5 interleaved repeats
     python scripts/bench/warm_restart.py --repeat 3 --only crash2,clean
 
-Measures (ours = cold restarts, ours-warm = --ft-warm-restart with the zygote):
+Measures (ours-cold = cold restarts, --no-ft-warm-restart; ours-warm = --ft-warm-restart
+with the zygote; ours = the launcher's defaults, warm restart on; the JSON files committed
+before warm restart became the default name the cold launcher ours):
 
-(ours-store = ours with --ft-agent-store: a store-only zygote hosts each cycle's TCPStore.)
+(ours-store = ours-cold with --ft-agent-store: a store-only zygote hosts each cycle's TCPStore.)
 
 - crash2: SIGKILL of rank 1 2 s after every rank's first step, then again 2 s after the
   restarted cycle's first step; SIGKILL -> first step of every rank for each, and whether
@@ -37,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import measures  # noqa: E402
 from bench import machine_info  # noqa: E402
-from measures import STORE, WARM, Context, Launchers, Settings  # noqa: E402
+from measures import COLD, STORE, WARM, Context, Launchers, Settings  # noqa: E402
 
 MEASURES = ("crash2", "hang", "clean", "memory")
 
@@ -53,13 +55,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", default=",".join(MEASURES))
     p.add_argument("--out", default="warm_restart_results.json")
     p.add_argument("--preload", default=measures.WARM_PRELOAD, help="ours-warm's --ft-preload")
-    p.add_argument("--launchers", default=f"ours,{WARM}", help="for crash2 and clean")
+    p.add_argument("--launchers", default=f"{COLD},{WARM}", help="for crash2 and clean")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     only = [m for m in args.only.split(",") if m]
     settings = Settings(warm_preload=args.preload)
     ctx = Context(Launchers.default(), settings, Path(tempfile.mkdtemp(prefix="ftw-")))
-    pair = tuple(x for x in ("ours", STORE, WARM) if x in args.launchers.split(","))
+    pair = tuple(x for x in (COLD, "ours", STORE, WARM) if x in args.launchers.split(","))
     doc: dict[str, Any] = {"machine": machine_info(), "started": time.time(), "runs": {}}
     plan = [("crash2", measures.crash_twice, pair),
             ("hang", measures.hang_restart, pair),

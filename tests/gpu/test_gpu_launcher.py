@@ -173,10 +173,11 @@ def test_exit_16_lands_on_the_device_the_policy_chose(exit16_job):
 
 def _kill_and_recover(tmp_path_factory, warm: bool) -> Job:
     run_dir = tmp_path_factory.mktemp("warm" if warm else "cold") / "run"
-    flags = ["--ft-warm-restart", "--ft-preload", "torch,torch._dynamo"] if warm else []
+    # Warm: the defaults (warm restart, preloads torch and torch._dynamo); cold: turned off.
+    flags = [] if warm else ["--no-ft-warm-restart"]
     baseline = gpu_context_pids()  # contexts that exist before this job (this pytest's own)
-    # OMP_NUM_THREADS=1: torch's OpenMP pool would make the zygote unsafe to fork, so the
-    # first cycle's worker is a fork of it too (CUDA first initialised after the fork).
+    # The first cycle's worker is a fork of the zygote too (CUDA first initialised after
+    # the fork), whatever OMP_NUM_THREADS; set here as before, so both runs compare.
     job = start(run_dir, "--nproc-per-node", "1", "--max-restarts", "1", *flags, CUDA_JOB,
                 "--nccl", "--steps", "100000", "--steps-after-restart", "3",
                 "--step-time", "0.05", env={"OMP_NUM_THREADS": "1"})

@@ -105,6 +105,11 @@ def test_a_hot_spare_replaces_a_lost_node_then_a_lost_store_host_ends_the_job_pr
           f"first step of the new full world {first - killed:.2f} s")
     assert first - killed < 20.0  # target 5 s on an idle machine; torch's timings: 16.6 s
     assert admitted["group_world_size"] == 2
+    # Warm restart, the default: the survivor's new workers come from its standbys, and the
+    # spare's from its own zygote (ready while it waited).
+    for node in "ac":
+        started = nodes.events(node, "workers_started")
+        assert started[-1]["warm"] == [True] * len(started[-1]["ranks"]), (node, started)
 
     # 3. Node a, the c10d store's host, is SIGKILLed: c cannot go on, and says why at once.
     killed = nodes.kill("a")

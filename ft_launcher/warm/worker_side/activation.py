@@ -37,16 +37,18 @@ keeps them out of every log; everything else a preload prints goes to the standb
 Limits (what a preloaded module may not rely on):
 
 - The standby's environment is the launcher's (plus ``OMP_NUM_THREADS`` when the launcher
-  sets it for workers): ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_*``,
-  ``FT_CYCLE``, ``CUDA_VISIBLE_DEVICES`` as rotated for the rank, ... are not there yet. A
-  module that reads them at import, caches ``os.environ`` values, or derives state from the
-  process (pid, time, random seeds) at import keeps the standby's values.
+  sets it for workers; a forked standby's is ``OMP_NUM_THREADS=1``, and torch's thread
+  count is set back to the rank's at activation): ``RANK``, ``LOCAL_RANK``,
+  ``WORLD_SIZE``, ``MASTER_*``, ``FT_CYCLE``, ``CUDA_VISIBLE_DEVICES`` as rotated for the
+  rank, ... are not there yet. A module that reads them at import, caches ``os.environ``
+  values, or derives state from the process (pid, time, random seeds) at import keeps the
+  standby's values.
 - A preload must not touch a GPU (the standby refuses to serve if it holds a ``/dev/nvidia*``
   file), start threads or processes, open sockets or files it keeps: all of them would
   survive into the worker.
 - ``/proc/PID/cmdline`` (what ``ps`` and ``pkill -f`` read) shows the cold worker's command
   line, as one string (setproctitle); ``/proc/PID/environ`` still shows the zygote's first
-  environment; forked standbys share the zygote's string hash seed.
+  environment (with the run's ``FT_RUN_DIR``); forked standbys share the zygote's string hash seed.
 """
 
 import _signal  # not ``signal``: a fresh interpreter has only the C module loaded
@@ -227,6 +229,49 @@ def _forget_modules(extra: set[str]) -> None:
             sys.modules.pop(package, None)
 
 
+THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # what torch's default thread count reads
+
+
+def _env_threads(value: str | None) -> int | None:
+    """A thread count as torch reads it from a variable (``std::stoi``: the leading
+    integer), or None when unset or not a positive number (torch then ignores it)."""
+    text = (value or "").lstrip()
+    digits = text[1:] if text[:1] in "+-" else text
+    end = len(digits) - len(digits.lstrip("0123456789"))
+    if end == 0:
+        return None
+    number = int(text[:len(text) - len(digits) + end])
+    return number if number > 0 else None
+
+
+def cold_thread_count(environ: dict[str, str] | os._Environ, default: int) -> int:
+    """The intra-op thread count torch gives a fresh process with this environment:
+    ``MKL_NUM_THREADS``, else ``OMP_NUM_THREADS``, else ``default`` (the physical cores as
+    torch counts them, which ``get_num_interop_threads`` returns while unset), and never
+    more than ``default`` (MKL, which sets it, caps it at the cores; measured with torch
+    2.13's CPU build: ``OMP_NUM_THREADS=3`` on 2 cores gives 2)."""
+    for key in ("MKL_NUM_THREADS", "OMP_NUM_THREADS"):
+        number = _env_threads(environ.get(key))
+        if number is not None:
+            return min(number, default)
+    return default
+
+
+def restore_thread_count(before: dict[str, str | None]) -> None:
+    """Give torch the thread count a cold worker would have in this environment, when the
+    variables it reads for it (``THREAD_ENV``) were different at import: the zygote imports
+    with ``OMP_NUM_THREADS=1`` (no OpenMP pool may exist when it forks). ``set_num_threads``
+    sets OpenMP's and MKL's counts alike; no thread starts here (the pool starts at the
+    first parallel operation)."""
+    torch = sys.modules.get("torch")
+    if torch is None or before == {k: os.environ.get(k) for k in THREAD_ENV}:
+        return
+    try:
+        torch.set_num_threads(cold_thread_count(os.environ, torch.get_num_interop_threads()))
+    except (AttributeError, RuntimeError):  # a torch without them: its count stays
+        pass
+
+
 def _become_worker(nonce: str, fields: list[bytes], handlers: dict[int, object],
                    mask: set[int], forget: set[str]) -> None:
     text = [os.fsdecode(f) for f in fields]
@@ -235,10 +280,12 @@ def _become_worker(nonce: str, fields: list[bytes], handlers: dict[int, object],
     sys.orig_argv = cold_command_line(mode, target, args)
     # Before the environment is replaced: setproctitle finds the argv area from it.
     _show_command_line(sys.orig_argv)
+    threads_env = {k: os.environ.get(k) for k in THREAD_ENV}
     os.environ.clear()  # unsetenv/putenv too, so C code sees the new environment
     for item in env:
         key, _, value = item.partition("=")
         os.environ[key] = value
+    restore_thread_count(threads_env)
     os.chdir(cwd)
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
