@@ -9,6 +9,7 @@ module imports neither torch nor the store until a snapshot is taken or restored
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -23,6 +24,10 @@ REPORT_WHAT = "snapshot"
 # Skips of one reason are reported at most this often (a write slower than a step would
 # otherwise report every step); each report counts the skips since the last.
 SKIP_REPORT_S = 10.0
+# At interpreter exit a write in flight is waited for this long: a daemon thread stopped in
+# the middle of torch's C++ code as the interpreter finalizes can abort the process, and
+# the write's snapshot is usually the newest there is.
+EXIT_WAIT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -110,6 +115,7 @@ class SnapshotAgent:
             try:
                 self.store = store.SnapshotStore(self.settings.directory,
                                                  memory_budget=self.settings.memory)
+                atexit.register(self.store.wait, EXIT_WAIT_S)
             except store.SnapshotError as e:  # the training goes on without snapshots
                 self.broken = True
                 log.warning("snapshots off for this rank: %s", e)

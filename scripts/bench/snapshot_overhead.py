@@ -51,6 +51,10 @@ def calibrate(step_s: float) -> int:
         rounds *= 2
 
 
+class RunFailed(Exception):
+    """A run that did not finish with 0; its output's tail is the message."""
+
+
 def run_once(work: int, args: argparse.Namespace, snapshots: bool, tmp: Path) -> float:
     out = tmp / f"loop-{time.monotonic_ns()}.json"
     cmd = [sys.executable, "-m", "ft_launcher.cli", "--ft-run-dir", str(tmp / out.stem),
@@ -59,8 +63,10 @@ def run_once(work: int, args: argparse.Namespace, snapshots: bool, tmp: Path) ->
         cmd += ["--ft-snapshot-every", "1"]
     cmd += [str(STEP), "--mb", str(args.mb), "--steps", str(args.steps), "--work", str(work),
             "--out", str(out)]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                   timeout=60 + args.steps * args.step_s * 10)
+    res = subprocess.run(cmd, capture_output=True, text=True,
+                         timeout=60 + args.steps * args.step_s * 10)
+    if res.returncode != 0:
+        raise RunFailed("\n".join((res.stdout + res.stderr).splitlines()[-30:]))
     return json.loads(out.read_text())["loop_s"]
 
 
@@ -74,11 +80,19 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     machine = machine_info()
     work = calibrate(args.step_s)
-    pairs = []
+    pairs: list[dict[str, Any]] = []
+    failures: list[str] = []  # a failed run is kept, and its pair run again
     with tempfile.TemporaryDirectory(prefix="ft-snap-overhead-") as tmp:
-        for i in range(args.pairs):
+        for i in range(args.pairs * 2):
+            if len(pairs) == args.pairs:
+                break
             order = [False, True] if i % 2 == 0 else [True, False]
-            loop = {snap: run_once(work, args, snap, Path(tmp)) for snap in order}
+            try:
+                loop = {snap: run_once(work, args, snap, Path(tmp)) for snap in order}
+            except RunFailed as e:
+                failures.append(str(e))
+                print(f"a run failed:\n{e}", flush=True)
+                continue
             pairs.append({"without_s": round(loop[False], 4), "with_s": round(loop[True], 4),
                           "overhead": round(loop[True] / loop[False] - 1, 4)})
             print(f"pair {i + 1}: without {loop[False]:.2f} s, with {loop[True]:.2f} s, "
@@ -93,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {"mb_per_rank": args.mb, "ranks": 2, "step_s": args.step_s,
                      "steps": args.steps, "matmul_rounds": work},
         "pairs": pairs,
+        "failed_runs": failures,
         "overhead_median": statistics.median(overheads),
     }
     args.out.write_text(json.dumps(result, indent=1) + "\n")
