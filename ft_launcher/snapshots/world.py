@@ -22,6 +22,7 @@ returns None rather than raising.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +30,8 @@ from datetime import timedelta
 from typing import Any
 
 from ft_launcher.snapshots.pick import pick_iteration, why_none
+
+log = logging.getLogger("ft_launcher")
 
 EXCHANGE_TIMEOUT_S = 30.0
 MAX_TEXT = 1 << 20  # a publication longer than this is refused unread
@@ -138,7 +141,13 @@ class StoreExchange:
         self.timeout_s, self.clock = timeout_s, clock
 
     def publish(self, phase: str, text: str) -> None:
-        self.store.set(key(self.round_no, phase, self.node), text)
+        """Publish this node's text; a store that fails here fails the gather after it
+        (the others then miss this node), never the launcher."""
+        try:
+            self.store.set(key(self.round_no, phase, self.node), text)
+        except Exception as e:  # noqa: BLE001 - each store kind raises its own
+            log.warning("snapshots: cannot publish %s for round %d: %s", phase,
+                        self.round_no, e)
 
     def gather(self, phase: str) -> tuple[dict[int, bytes], list[int]]:
         """Every node's publication of ``phase``, and the nodes that published none in
