@@ -223,3 +223,25 @@ def test_without_replicas_a_re_formed_world_restores_nothing(tmp_path):
     finally:
         a.close()
         b.close()
+
+
+def test_a_copy_failing_its_full_check_on_one_node_means_no_node_restores(tmp_path):
+    s = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    (a, ea), (b, eb) = node(tmp_path, "a", 0), node(tmp_path, "b", 0)
+    try:
+        cycle([(a, [0]), (b, [1])], s, 1)
+        write(a, 0, [1])
+        write(b, 1, [1])
+        slot = store.committed_slots(b.area.rank_dir(1))[0][0].slot
+        path = b.area.rank_dir(1) / store.slot_file(slot)
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF  # a tensor byte: the cheap checks pass, the CRC32 does not
+        path.write_bytes(bytes(data))
+        env = cycle([(a, [0]), (b, [1])], s, 2)
+        assert env[0][0]["FT_SNAPSHOT_ITERATION"] == env[1][1]["FT_SNAPSHOT_ITERATION"] == "none"
+        reason = dict(ea)["snapshot_picked"]["reason"]
+        assert reason.startswith("not every node can restore: node 1:"), reason
+        assert dict(eb)["snapshot_rejected"]["rank"] == 1
+    finally:
+        a.close()
+        b.close()
