@@ -180,7 +180,8 @@ FT_OPTIONS = [
      "Memory the snapshots may use on this node, shared by its ranks, e.g. 8GB; a "
      "snapshot over a rank's share is skipped [half of /dev/shm's free space]."),
     ("--ft-snapshot-replicas", "snapshot_replicas",
-     "Copies of each snapshot on other nodes (accepted; this version keeps none) [0]."),
+     "Copies of each rank's snapshot kept on other nodes (the next ones in the ring of "
+     "group ranks), so a lost node's ranks can restore on a spare; 0: none [0]."),
 ]
 
 

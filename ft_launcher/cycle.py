@@ -35,7 +35,7 @@ from ft_launcher.process.workers import Worker, WorkerGroup, WorkerSpec, handles
 from ft_launcher.rundir import RunDir
 from ft_launcher.signals import SignalBox
 from ft_launcher.snapshots import reports as snapshot_reports
-from ft_launcher.snapshots.service import JobSnapshots, for_job
+from ft_launcher.snapshots.service import JobSnapshots, WorldRound, for_job
 from ft_launcher.stragglers import straggler_exchange
 from ft_launcher.stragglers.straggler import DETECTED, StragglerDetector
 from ft_launcher.watch import (
@@ -160,7 +160,17 @@ def snapshot_env(d: CycleDeps, rnd: RoundInfo) -> dict[int, dict[str, str]]:
     d.monitor.report_handlers[snapshot_reports.WHAT] = d.snapshots.on_report
     n = d.cfg.nproc_per_node
     return d.snapshots.begin_cycle([rnd.group_rank * n + i for i in range(n)],
-                                   rnd.group_world_size)
+                                   rnd.group_world_size, snapshot_world(d.rdzv, rnd))
+
+
+def snapshot_world(rdzv: Any, rnd: RoundInfo) -> WorldRound | None:
+    """How this node's snapshots agree with the other nodes' this round: through the
+    round's rendezvous store; None with one node or static addresses (no shared store)."""
+    store = getattr(rdzv, "round_store", None)
+    if rnd.group_world_size < 2 or store is None:
+        return None
+    return WorldRound(store, getattr(rdzv, "job_store", None), rnd.round, rnd.group_rank,
+                      rnd.group_world_size, getattr(rdzv, "local_addr", "127.0.0.1"))
 
 
 def rendezvous_env(fence_s: float | None, rnd: RoundInfo) -> dict[str, str]:
@@ -407,6 +417,8 @@ class Cycle:
         self.d.status()
         # Standbys are spawned once every rank is training (first heartbeat or section).
         self.d.standbys.tick(state.training_at is not None)
+        if self.d.snapshots is not None:
+            self.d.snapshots.tick()  # new local commits go to the buddies (never blocks)
         if self.d.clock.monotonic() >= state.next_peer_check:
             state.next_peer_check = self.d.clock.monotonic() + self.d.cfg.monitor_interval
             return self.peers.poll(self.group, now)

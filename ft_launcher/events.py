@@ -150,6 +150,19 @@ EVENTS: dict[str, EventDoc] = {
     "snapshot_rejected": EventDoc(
         "snapshots", "a copy failed its checks (checksum, size, format, NaN); never loaded",
         "rank, iteration, slot, reason, by (launcher, rank)"),
+    "snapshot_world_timeout": EventDoc(
+        "snapshots", "several nodes: a node did not publish its snapshot holdings (or its "
+        "verdict) within the bounded wait; no rank restores this cycle",
+        "round, phase (holds, verdict), missing (group ranks), waited_s"),
+    "snapshot_replicated": EventDoc(
+        "snapshots", "a local rank's newest snapshot was pushed to a buddy node",
+        "rank, iteration, endpoint, bytes, seconds, skipped (the buddy already held it)"),
+    "snapshot_replica_fetched": EventDoc(
+        "snapshots", "at a cycle start: a rank's snapshot was fetched from another node's "
+        "replica", "rank, iteration, endpoint, bytes, seconds"),
+    "snapshot_replica_failed": EventDoc(
+        "snapshots", "a replica push, fetch or the replica server failed (the job goes on)",
+        "rank, op (push, fetch, serve), endpoint, iteration, reason"),
     # -- warm restart -------------------------------------------------------------------
     "zygote_ready": EventDoc(
         "warm restart", "the zygote imported the preloads",

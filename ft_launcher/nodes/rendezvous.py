@@ -500,6 +500,7 @@ class DynamicRendezvous:
         self._round_no: int | None = None  # the round this node joined last
         self._members: frozenset[Any] = frozenset()  # that round's participants
         self._was_dropped = False  # dropped from a round: a closed job then ends it cleanly
+        self.job_store: Any = None
         # torchrun's --local-addr, else the address peers reach this node by.
         self.local_addr = local_addr or reachable_address(endpoint.split(",")[0].strip("[]"))
         install_poll_interval(self.timings.poll_interval)
@@ -525,6 +526,7 @@ class DynamicRendezvous:
             backend, store = _c10d_backend(params, t)
         else:
             backend, store = _etcd_backend(self.endpoint, run_id, t, extra)
+        self.job_store = store  # the job's store, not a round's: the snapshot replica token
         settings = dr.RendezvousSettings(
             run_id, self.min_nodes, self.max_nodes,
             dr.RendezvousTimeout(join=timedelta(seconds=t.join_timeout),

@@ -23,6 +23,18 @@ from ft_agent import snapshot as store
 from ft_launcher.snapshots import reports
 from ft_launcher.snapshots.area import SHM, Area, AreaRefused, area_name, default_root
 from ft_launcher.snapshots.pick import Choice, Copy, choose, to_discard
+from ft_launcher.snapshots.replication import Replication, buddy_nodes, shared_token
+from ft_launcher.snapshots.world import (
+    EXCHANGE_TIMEOUT_S,
+    OK,
+    Holdings,
+    StoreExchange,
+    agree,
+    decode,
+    encode,
+    holders,
+    verdicts_reason,
+)
 
 log = logging.getLogger("ft_launcher")
 
@@ -41,6 +53,20 @@ class SnapshotOptions:
     every: str | None = None
     memory: int | None = None
     replicas: int = 0
+
+
+@dataclass(frozen=True)
+class WorldRound:
+    """The round this node joined, as the snapshots need it with several nodes: the
+    round's store (prefixed per round), the job's store (for the replica token), this
+    node's group rank, the number of nodes, and the address peers reach this node by."""
+
+    store: Any
+    job_store: Any
+    round_no: int
+    node: int
+    nodes: int
+    local_addr: str
 
 
 def for_job(cfg: Any, rundir: Any, events: Callable[..., Any]) -> JobSnapshots | None:
@@ -72,6 +98,9 @@ class JobSnapshots:
         self.area = Area(root / area_name(os.geteuid(), run_id, str(run_dir)))
         self.state = "new"  # new -> ready | off -> closed
         self.rank_memory = 0
+        self.replication: Replication | None = None  # started at the first multi-node round
+        self.exchange_timeout_s = EXCHANGE_TIMEOUT_S
+        self.fetched: dict[int, int] = {}  # this cycle's ranks restored from a replica
 
     @property
     def enabled(self) -> bool:
@@ -91,9 +120,6 @@ class JobSnapshots:
                 return False
             self.state = "ready"
             self.rank_memory = memory // max(1, self.nproc)
-            if self.options.replicas:
-                log.warning("--ft-snapshot-replicas %d: copies on other nodes are not made by "
-                            "this version; snapshots stay on this node", self.options.replicas)
             self.events("snapshots_ready", path=str(self.area.path), every=self.options.every,
                         memory=memory, rank_memory=self.rank_memory,
                         replicas=self.options.replicas, stale_removed=self.area.stale_removed)
@@ -101,24 +127,32 @@ class JobSnapshots:
 
     def close(self) -> None:
         """Remove the area (every exit path of the launcher calls this)."""
+        if self.replication is not None:
+            self.replication.close()  # before the area its server writes into goes
+            self.replication = None
         if self.state == "ready":
             self.area.remove()
         self.state = "closed"
 
     # -- a cycle -----------------------------------------------------------------------
 
-    def begin_cycle(self, ranks: list[int], group_world_size: int) -> dict[int, dict[str, str]]:
-        """Each of this node's ranks' snapshot environment for the cycle starting now."""
+    def begin_cycle(self, ranks: list[int], group_world_size: int,
+                    world: WorldRound | None = None) -> dict[int, dict[str, str]]:
+        """Each of this node's ranks' snapshot environment for the cycle starting now;
+        with several nodes, ``world`` is how the launchers agree (None: they cannot)."""
         if not self.enabled or not self._prepare():
             return {}
         started = time.perf_counter()
-        copies = {r: self._copies(r) for r in ranks}
-        if group_world_size > 1:
-            # The other nodes' copies are not known here: restoring needs their agreement.
-            choice = Choice(None, "several nodes: no agreement on an iteration yet")
+        self.fetched = {}
+        if group_world_size > 1 and world is not None:
+            copies, choice = self._world_choice(ranks, world)
         else:
-            choice = choose(copies, self._verify)
+            copies = {r: self._copies(r) for r in ranks}
+            choice = choose(copies, self._verify) if group_world_size == 1 else Choice(
+                None, "several nodes without a shared rendezvous store: no agreement")
         discarded = self._discard(to_discard(copies, choice))
+        if self.replication is not None:
+            discarded += self.replication.discard_after(choice.iteration)
         for rank, copy, reason in choice.rejected:
             self.events("snapshot_rejected", rank=rank, iteration=copy.iteration,
                         slot=copy.slot, reason=reason, by="launcher")
@@ -129,6 +163,104 @@ class JobSnapshots:
         value = NO_ITERATION if choice.iteration is None else str(choice.iteration)
         return {r: {ENV_DIR: str(self.area.rank_dir(r)), ENV_EVERY: str(self.options.every),
                     ENV_MEMORY: str(self.rank_memory), ENV_ITERATION: value} for r in ranks}
+
+    def tick(self) -> None:
+        """From the launcher's loop: push new local commits to the buddies (never blocks)."""
+        if self.replication is not None:
+            self.replication.tick()
+
+    # -- several nodes -----------------------------------------------------------------
+
+    def _replicas(self, w: WorldRound) -> Replication | None:
+        if self.replication is None and self.options.replicas > 0 and w.job_store is not None:
+            try:
+                token = shared_token(w.job_store)
+                self.replication = Replication(self.area.path / "replicas",
+                                               self.options.replicas, token, w.local_addr,
+                                               self.events, time.monotonic)
+            except Exception as e:  # noqa: BLE001 - no replicas, never a failed launch
+                log.warning("snapshot replicas off: %s", e)
+                self.events("snapshot_replica_failed", rank=None, op="serve", endpoint=None,
+                            iteration=None, reason=f"error: {type(e).__name__} {e}")
+                self.options = SnapshotOptions(self.options.every, self.options.memory, 0)
+        return self.replication
+
+    def _holdings(self, ranks: list[int], w: WorldRound, rep: Replication | None
+                  ) -> tuple[dict[int, list[Copy]], Holdings]:
+        if rep is not None:  # ranks that moved away: what they left becomes a replica here
+            for entry in os.scandir(self.area.path):
+                name = entry.name
+                if name.startswith("rank_") and name[5:].isdigit() \
+                        and int(name[5:]) not in ranks:
+                    rep.adopt(int(name[5:]), Path(entry.path))
+        copies = {r: self._copies(r) for r in ranks}
+        held = {r: set(its) for r, its in (rep.hosted() if rep else {}).items()}
+        for r, cs in copies.items():
+            held.setdefault(r, set()).update(c.iteration for c in cs)
+        return copies, Holdings(w.node, rep.endpoint if rep else None,
+                                {r: tuple(sorted(its)) for r, its in held.items() if its})
+
+    def _world_choice(self, ranks: list[int], w: WorldRound
+                      ) -> tuple[dict[int, list[Copy]], Choice]:
+        """Agree with the other launchers (``world``), fetch, check, agree again."""
+        rep = self._replicas(w)
+        copies, mine = self._holdings(ranks, w, rep)
+        ex = StoreExchange(w.store, w.round_no, w.node, w.nodes, self.exchange_timeout_s)
+        ex.publish("holds", encode(mine))
+        raw, missing = ex.gather("holds")
+        published = {n: h for n, t in raw.items() if (h := decode(t)) is not None and h.node == n}
+        missing += [n for n in raw if n not in published]
+        if rep is not None:
+            rep.begin_cycle({r: self.area.rank_dir(r) for r in ranks},
+                            [ep for b in buddy_nodes(w.node, w.nodes, self.options.replicas)
+                             if (ep := published[b].endpoint if b in published else None)])
+        if missing:
+            self.events("snapshot_world_timeout", round=w.round_no, phase="holds",
+                        missing=sorted(missing), waited_s=ex.timeout_s)
+            why = f"node(s) {sorted(missing)} published no snapshot holdings in time"
+            ex.publish("verdict", why)
+            return copies, Choice(None, why)
+        agreement = agree(range(w.nodes * self.nproc), published)
+        choice, verdict = Choice(None, agreement.reason), agreement.reason
+        if agreement.iteration is not None:
+            choice, verdict = self._restore_here(ranks, copies, agreement.iteration,
+                                                 published, w.node)
+        ex.publish("verdict", verdict)
+        ex.timeout_s = 4 * self.exchange_timeout_s  # the others may be fetching
+        raw, missing = ex.gather("verdict")
+        said = {n: t.decode(errors="replace")[:300] for n, t in raw.items()}
+        said.update({n: "said nothing in time" for n in missing})
+        why = verdicts_reason(said)
+        if why is not None:
+            if missing:
+                self.events("snapshot_world_timeout", round=w.round_no, phase="verdict",
+                            missing=sorted(missing), waited_s=ex.timeout_s)
+            return copies, Choice(None, f"not every node can restore: {why}", choice.rejected)
+        return copies, choice
+
+    def _restore_here(self, ranks: list[int], copies: dict[int, list[Copy]], iteration: int,
+                      published: dict[int, Holdings], me: int) -> tuple[Choice, str]:
+        """Fetch the chosen iteration for the ranks that lack it, then check each local
+        rank's copy of it in full; the choice and this node's verdict."""
+        for r in ranks:
+            if any(c.iteration == iteration for c in copies[r]):
+                continue
+            if self.replication is None:
+                return Choice(None, f"rank {r} has no copy here and replicas are off"), \
+                    f"rank {r}: no copy here (replicas off)"
+            failed = self.replication.fetch(r, self.area.rank_dir(r), iteration,
+                                            holders(r, iteration, published, me))
+            if failed is not None:
+                return Choice(None, f"rank {r}: fetch failed: {failed}"), \
+                    f"rank {r}: fetch failed: {failed}"
+            self.fetched[r] = iteration
+            copies[r] = self._copies(r)
+        at = {r: [c for c in cs if c.iteration == iteration] for r, cs in copies.items()}
+        choice = choose(at, self._verify)
+        if choice.iteration == iteration:
+            choice.reason = "newest iteration every rank holds on some node"
+            return choice, OK
+        return choice, f"iteration {iteration}: {choice.reason}"
 
     def _copies(self, rank: int) -> list[Copy]:
         try:
@@ -175,6 +307,8 @@ class JobSnapshots:
         if name == "snapshot_rejected":  # literal names: tests/test_docs.py finds each one
             self.events("snapshot_rejected", rank=rank, by="rank", **fields)
         elif name == "snapshot_restored":
+            if self.fetched.get(rank) == fields.get("iteration"):
+                fields["source"] = "replica"  # the rank read it locally; it came from a peer
             self.events("snapshot_restored", rank=rank, **fields)
         else:
             self.events("snapshot_skipped", rank=rank, **fields)

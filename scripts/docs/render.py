@@ -415,6 +415,37 @@ def _snapshot_overhead_section(name: str) -> list[str]:
             f"{_spread(pct, 1)} |", ""]
 
 
+REPLICA_MEASURES = [  # (key of a run, what it is)
+    ("push_s", "push of one rank's newest slot to a buddy's replica server (checked there "
+               "before its commit)"),
+    ("fetch_s", "fetch of that slot back into an empty rank directory (checked chunk by "
+                "chunk)"),
+    ("load_new_process_s", "`load()` of the fetched slot in a new process"),
+    ("restore_s", "fetch then load: what a spare's rank waits for its state"),
+]
+
+
+def _replica_sections() -> list[str]:
+    doc = _load("replica_cost.json")
+    m, st, rep = doc["machine"], doc["state"], doc["replica"]
+    out = ["## Snapshot replicas", "",
+           "Written by `scripts/bench/replica_cost.py`: one rank's state of "
+           f"{st['mb']} MB of {st['dtype']} in {st['tensors']} tensors, stores on "
+           f"{st['stores']}, over {st['transport']}.", "",
+           "### `replica_cost.json`", "",
+           f"- date: {doc['date']}",
+           f"- machine: {m['cpus']} CPUs, {m['memory_gib']} GiB; Python {m['python']}, "
+           f"torch {m['torch']}; load average at start {m['loadavg_start'][0]}, at end "
+           f"{m['loadavg_end'][0]}",
+           f"- command: `{doc['command']}`", "",
+           "| measure | median (min–max) over runs, ms |", "|---|---|"]
+    for key, what in REPLICA_MEASURES:
+        values = [r[key] * 1000 for r in rep["runs"] if key in r]
+        if values:
+            out.append(f"| {what} | {_spread(values, 0)} |")
+    return out + [""]
+
+
 def benchmarks_page() -> str:
     report = _bench_report()
     lines = [GENERATED.format(source="the committed `scripts/bench/*.json`"), "",
@@ -444,6 +475,7 @@ def benchmarks_page() -> str:
     lines += _nodeloss_sections()
     lines += _scale_sections()
     lines += _snapshot_sections()
+    lines += _replica_sections()
     text = "\n".join(lines)
     return text.rstrip("\n") + "\n"
 

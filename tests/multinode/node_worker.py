@@ -15,6 +15,10 @@ world resumes from rank 0's reading of ckpt.json. TOTAL_STEPS=N: the job ends af
 PAUSE_RANK / PAUSE_STEP: that rank, once per job, stops between that step's all-reduce and its
 writes (OUT_DIR/paused.json says so) until OUT_DIR/frozen exists (at most 150 s): the moment a
 frozen node's worker must not resume into.
+
+Snapshots (SNAPSHOT=1, with ``--ft-snapshot-every``): each rank snapshots ``total`` after
+every step (iteration = the next step) and, in a new cycle, resumes from the iteration the
+launcher chose when there is one (each step line then carries ``restored``).
 """
 
 import json
@@ -82,7 +86,13 @@ def pause_here(step: int) -> None:
         time.sleep(0.02)
 
 
-step, total = resume()
+snapshots = os.environ.get("SNAPSHOT") == "1"
+restored = client.restore() if snapshots else None
+if restored is not None:
+    step, total = restored[1], int(restored[0]["total"][0])
+    me["restored"] = step
+else:
+    step, total = resume()
 while total_steps == 0 or step < total_steps:
     stop = 1.0 if rank == 0 and (out / "stop").exists() else 0.0
     t = torch.tensor([float(rank + 1), stop])
@@ -99,6 +109,8 @@ while total_steps == 0 or step < total_steps:
         (out / "failed").touch()
         os._exit(5)  # sys.exit would tear the process group down mid-job: gloo aborts
     step += 1
+    if snapshots:
+        client.snapshot({"total": torch.tensor([total])}, step)
     if ckpt_every and rank == ckpt_rank and step % ckpt_every == 0:
         save(step, total)
     time.sleep(step_s)
