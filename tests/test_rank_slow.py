@@ -23,7 +23,6 @@ from ft_agent import simulated_fault
 from ft_agent.simulated_fault import SlowSections
 from ft_launcher import faults
 from ft_launcher.hang.monitor import parse_agent_fault
-from ft_launcher.stragglers.throttle import duty_cycle
 
 TRAIN = str(SCRIPTS / "straggler_train.py")
 
@@ -95,7 +94,7 @@ class _Throttle:
 
     def __init__(self, pid, factor, **kwargs) -> None:
         _Throttle.made.append({"pid": pid, "factor": factor, **kwargs})
-        self.cycle = duty_cycle(factor)
+        self.max_stop_s = 0.05
 
     def start(self) -> None:
         pass
