@@ -42,18 +42,23 @@ DEFAULT_MAX_STOP_S = 0.05  # one stop at most; the rest of a debt is paid at the
 DEBT_CAP_S = 1.0  # a debt never paid (work in slivers too short to see) stays bounded
 BANK_CAP_S = 0.02  # runnable time read but not yet charged (a few kernel ticks' worth)
 REFRESH_S = 0.1  # every thread re-read this often (a thread that became busy)
+BUSY_RUN_S = 0.001  # a thread that ran less than this in a refresh window is idle
 SHARE_REFRESH_S = 0.25  # how often the CPU shares (victim's, peers') are re-read
 MIN_RUNNABLE_FRACTION = 0.05  # runnable less than this of a window: its share says nothing
+# A peer is a pace to compare with only while it is busy too (runnable this much of the
+# window): in a synchronous job peers mostly wait for the slow rank, and the few ms they
+# run after each wait carry the wake-up's latency, not the pace of their work.
+PEER_RUNNABLE_FRACTION = 0.5
 MAX_SPEEDUP = 4.0  # the victim's share over its peers' is believed within [1/4, 4]
 
 
-def cpu_share(before: tuple[float, float], after: tuple[float, float],
-              elapsed_s: float) -> float | None:
+def cpu_share(before: tuple[float, float], after: tuple[float, float], elapsed_s: float,
+              min_fraction: float = MIN_RUNNABLE_FRACTION) -> float | None:
     """Fraction of its runnable time a process ran, from two (run_s, wait_s) samples of
-    schedstat; None when it was runnable too little of ``elapsed_s`` to tell."""
+    schedstat; None when it was runnable less than ``min_fraction`` of ``elapsed_s``."""
     ran, waited = after[0] - before[0], after[1] - before[1]
     runnable = ran + waited
-    if ran < 0 or waited < 0 or runnable < MIN_RUNNABLE_FRACTION * elapsed_s or runnable <= 0:
+    if ran < 0 or waited < 0 or runnable < min_fraction * elapsed_s or runnable <= 0:
         return None
     return min(1.0, ran / runnable)
 
@@ -182,13 +187,16 @@ class ProcessCpu:
         for tid, (run, wait) in now.items():
             # A thread born since the last read counts from zero; at the first read, from now.
             last = self._last.get(tid, (run, wait) if self._first else (0.0, 0.0))
-            self.run_s += max(0.0, run - last[0])
-            self.wait_s += max(0.0, wait - last[1])
-            # Busy: it ran or waited since the last refresh (not since the last ``used()``,
-            # which the kernel's tick may not have caught up with).
+            # Busy: it ran since the last refresh (not since the last ``used()``, which the
+            # kernel's tick may not have caught up with) for more than a wake-up's worth.
             before = self._at_refresh.get(tid, (0.0, 0.0))
-            if run > before[0] or wait > before[1] or self._first:
+            if run - before[0] >= BUSY_RUN_S or self._first:
                 busy.append(tid)
+            self.run_s += max(0.0, run - last[0])
+            # The wait of a thread that did no work is not work waiting for a CPU: idle
+            # threads are woken by every SIGSTOP and SIGCONT, and wait on a loaded machine.
+            if tid in busy or tid in self._busy:
+                self.wait_s += max(0.0, wait - last[1])
         self._last, self._busy, self._first = now, busy, False
         self._at_refresh = dict(now)
         self.refreshed_at = time.monotonic()
@@ -252,17 +260,18 @@ class _Target:
 
 class _Share:
     """The median CPU share while runnable of some processes, re-read every
-    SHARE_REFRESH_S and smoothed over ~1 s; 1.0 until measured."""
+    SHARE_REFRESH_S and smoothed over ~1 s; None until a window says something."""
 
-    def __init__(self, meters: Sequence[ProcessCpu], refresh: bool = True) -> None:
+    def __init__(self, meters: Sequence[ProcessCpu], refresh: bool = True,
+                 min_fraction: float = MIN_RUNNABLE_FRACTION) -> None:
         self.meters = list(meters)
         self.refresh = refresh  # False: the meters are kept up to date by their owner
-        self.share = 1.0
+        self.min_fraction = min_fraction
+        self.share: float | None = None
         self._last: dict[int, tuple[float, float]] = {}
         self._at: float | None = None
-        self._measured = False
 
-    def update(self, now: float) -> float:
+    def update(self, now: float) -> float | None:
         if self._at is not None and now - self._at < SHARE_REFRESH_S:
             return self.share
         elapsed, self._at = (now - self._at if self._at is not None else 0.0), now
@@ -273,15 +282,18 @@ class _Share:
             sample = (meter.run_s, meter.wait_s)
             before = self._last.get(meter.pid)
             self._last[meter.pid] = sample
-            share = cpu_share(before, sample, elapsed) if before is not None else None
-            if share is not None:
-                shares.append(share)
+            if before is not None:
+                share = cpu_share(before, sample, elapsed, self.min_fraction)
+                shares.append(share) if share is not None else None
         if shares:
             share = max(0.01, statistics.median(shares))
-            # In a synchronous job the peers block on the slow rank: one window jumps around.
-            self.share = share if not self._measured else 0.7 * self.share + 0.3 * share
-            self._measured = True
+            self.share = share if self.share is None else 0.7 * self.share + 0.3 * share
         return self.share
+
+
+def speedup(own: float | None, peers: float | None) -> float:
+    """The victim's CPU share while runnable over its busy peers'; 1 unless both known."""
+    return 1.0 if own is None or peers is None else own / peers
 
 
 class Throttle:
@@ -353,7 +365,8 @@ class Throttle:
         end = t0 + self.duration_s if self.duration_s is not None else math.inf
         debt = CpuDebt(self.factor, self.max_stop_s)
         meter = ProcessCpu(self.pid)
-        own, peers = _Share([meter], refresh=False), _Share([ProcessCpu(p) for p in self.peers])
+        own = _Share([meter], refresh=False)
+        peers = _Share([ProcessCpu(p) for p in self.peers], min_fraction=PEER_RUNNABLE_FRACTION)
         try:
             while not self._halt.is_set() and meter.refresh():
                 refreshed = time.monotonic()
@@ -361,8 +374,8 @@ class Throttle:
                     now = time.monotonic()
                     if now >= end or self.until():
                         return
-                    speedup = own.update(now) / peers.update(now) if self.peers else 1.0
-                    debt.observe(now, meter.runnable(), meter.working(), speedup)
+                    faster = speedup(own.update(now), peers.update(now))
+                    debt.observe(now, meter.runnable(), meter.working(), faster)
                     stop_s = min(debt.stop_for(), end - now)
                     if stop_s <= 0:
                         self._halt.wait(self.poll_s)
