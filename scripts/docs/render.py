@@ -194,6 +194,7 @@ BENCH_RUNS = [  # (file, section title); files written by scripts/bench/bench.py
     ("footprint.json", "Launcher footprint, 8 ranks"),
     ("goodput.json", "Start-up and goodput with a kill and a hang"),
     ("results.json", "Full run of every measure"),
+    ("verdict.json", "Hang verdict past the timeout, from the last heartbeat call"),
 ]
 
 WARM_KEYS = {
