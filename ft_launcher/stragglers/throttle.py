@@ -72,11 +72,12 @@ def check_factor(factor: float) -> float:
 
 @dataclass
 class CpuDebt:
-    """Wall time owed as stops: (factor - 1) x each slice of work. Pure: the caller supplies
-    the clock and the process's cumulative runnable seconds.
+    """Wall time owed as stops: (factor - 1) x each slice of work (factor x speedup - 1
+    where the process runs faster than its peers). Pure: the caller supplies the clock, the
+    process's cumulative runnable seconds and whether it is runnable now.
 
-    ``observe(now, runnable_s)`` after each read; ``stop_for()`` says how long to stop now
-    (0: not now); ``paid(s)`` after a stop of ``s`` wall seconds.
+    ``observe(now, runnable_s, working, speedup)`` after each read; ``stop_for()`` says how
+    long to stop now (0: not now); ``resumed(now, s)`` after a stop of ``s`` wall seconds.
     """
 
     factor: float
