@@ -38,18 +38,20 @@ log = logging.getLogger("ft_launcher")
 
 POLL_S = 0.001  # how often the runnable time is read: a stop lands within ~1 ms of work
 MIN_STOP_S = 0.002  # owed less than this, no stop: the signals would be the workload
-DEFAULT_MAX_STOP_S = 0.05  # one stop at most; the rest of a debt is paid at the next look
+DEFAULT_MAX_STOP_S = 0.05  # one stop at most (a stop begun at the end of the work runs on
+# into what follows it by up to this much); the rest of a debt is paid at the next looks
 DEBT_CAP_S = 1.0  # a debt never paid (work in slivers too short to see) stays bounded
 BANK_CAP_S = 0.02  # runnable time read but not yet charged (a few kernel ticks' worth)
 REFRESH_S = 0.1  # every thread re-read this often (a thread that became busy)
 BUSY_RUN_S = 0.001  # a thread that ran less than this in a refresh window is idle
+STOP_POLL_S = 0.0002  # how often a sent SIGSTOP is checked for having taken effect
 SHARE_REFRESH_S = 0.25  # how often the CPU shares (victim's, peers') are re-read
 MIN_RUNNABLE_FRACTION = 0.05  # runnable less than this of a window: its share says nothing
 # A peer is a pace to compare with only while it is busy too (runnable this much of the
 # window): in a synchronous job peers mostly wait for the slow rank, and the few ms they
 # run after each wait carry the wake-up's latency, not the pace of their work.
 PEER_RUNNABLE_FRACTION = 0.5
-MAX_SPEEDUP = 4.0  # the victim's share over its peers' is believed within [1/4, 4]
+MAX_SPEEDUP = 4.0  # the victim's share over its peers' is believed up to 4
 
 
 def cpu_share(before: tuple[float, float], after: tuple[float, float], elapsed_s: float,
@@ -77,7 +79,7 @@ class CpuDebt:
     process's cumulative runnable seconds and whether it is runnable now.
 
     ``observe(now, runnable_s, working, speedup)`` after each read; ``stop_for()`` says how
-    long to stop now (0: not now); ``resumed(now, s)`` after a stop of ``s`` wall seconds.
+    long to stop now (0: not now); ``resumed(s)`` after a stop of ``s`` wall seconds.
     """
 
     factor: float
@@ -88,6 +90,7 @@ class CpuDebt:
     _t: float | None = field(default=None, init=False)
     _runnable: float = field(default=0.0, init=False)
     _banked: float = field(default=0.0, init=False)
+    _stopped: float = field(default=0.0, init=False)  # of the look under way
 
     def __post_init__(self) -> None:
         check_factor(self.factor)
@@ -102,17 +105,16 @@ class CpuDebt:
         ``speedup``: its CPU share while runnable over its peers' (a scheduler favours a
         process it just resumed: its work then goes faster than theirs, so it owes more)."""
         if self._t is not None:
-            wall = max(0.0, now - self._t)
+            wall = max(0.0, now - self._t - self._stopped)
             # The kernel adds a running task's time at its tick (4 ms at HZ=250), in lumps:
             # banked and spent at most one wall second per second, so nothing is lost and
             # threads running side by side count as one process's work.
-            self._banked = min(BANK_CAP_S,
-                               self._banked + max(0.0, runnable_s - self._runnable))
+            self._banked += max(0.0, runnable_s - self._runnable)
             work = min(wall, self._banked)
-            self._banked -= work
-            owed = max(0.0, self.factor * min(MAX_SPEEDUP, max(1 / MAX_SPEEDUP, speedup)) - 1)
+            self._banked = min(BANK_CAP_S, self._banked - work)
+            owed = self.factor * min(MAX_SPEEDUP, max(1.0, speedup)) - 1
             self.debt_s = min(DEBT_CAP_S, self.debt_s + owed * work)
-        self._t, self._runnable = now, max(runnable_s, self._runnable)
+        self._t, self._runnable, self._stopped = now, max(runnable_s, self._runnable), 0.0
         self.active = working
 
     def stop_for(self) -> float:
@@ -121,12 +123,12 @@ class CpuDebt:
             return 0.0
         return min(self.debt_s, self.max_stop_s)
 
-    def resumed(self, now: float, stopped_s: float) -> None:
-        """The process was stopped ``stopped_s`` wall seconds and is continued at ``now``:
-        the debt is paid that much, and the next look's wall time starts now (the stop
-        is not time it could have worked)."""
-        self.debt_s = max(0.0, self.debt_s - max(0.0, stopped_s))
-        self._t = now
+    def resumed(self, stopped_s: float) -> None:
+        """The process was stopped ``stopped_s`` wall seconds (from when the stop took
+        effect): the debt is paid that much, and that time is not time it could work in."""
+        stopped_s = max(0.0, stopped_s)
+        self.debt_s = max(0.0, self.debt_s - stopped_s)
+        self._stopped += stopped_s
         self.active = False  # look again before the next stop
 
 
@@ -215,6 +217,10 @@ class ProcessCpu:
             self._last[tid] = sample
         return self.run_s
 
+    def stopped(self) -> bool:
+        """Every thread that was busy in the last refresh window is stopped (state T)."""
+        return all(_task_state(self.pid, tid) in ("T", None) for tid in self._busy)
+
     def working(self) -> bool:
         """A thread that was busy in the last refresh window is runnable now (state R)."""
         return any(_task_state(self.pid, tid) == "R" for tid in self._busy)
@@ -286,15 +292,19 @@ class _Share:
             if before is not None:
                 share = cpu_share(before, sample, elapsed, self.min_fraction)
                 shares.append(share) if share is not None else None
-        if shares:
-            share = max(0.01, statistics.median(shares))
-            self.share = share if self.share is None else 0.7 * self.share + 0.3 * share
+        if not shares:
+            self.share = None  # a window that says nothing: no pace to compare with now
+            return None
+        share = max(0.01, statistics.median(shares))
+        self.share = share if self.share is None else 0.7 * self.share + 0.3 * share
         return self.share
 
 
 def speedup(own: float | None, peers: float | None) -> float:
-    """The victim's CPU share while runnable over its busy peers'; 1 unless both known."""
-    return 1.0 if own is None or peers is None else own / peers
+    """The victim's CPU share while runnable over its busy peers', at least 1 (a victim
+    that gets less than its peers waits longer, and its wait is charged as work already);
+    1 unless both are known."""
+    return 1.0 if own is None or peers is None else max(1.0, own / peers)
 
 
 class Throttle:
@@ -396,15 +406,19 @@ class Throttle:
         wait_before = meter.wait_s
         if not self._signal(signal.SIGSTOP):
             return False
+        # A SIGSTOP takes effect once a thread of the process has run to take it: on a
+        # loaded machine, a while later, and the process works until then. Timed from then.
+        sent = time.monotonic()
+        while not meter.stopped() and time.monotonic() - sent < stop_s:
+            time.sleep(STOP_POLL_S)
         stopped_at = time.monotonic()
-        self._halt.wait(stop_s)
+        self._halt.wait(max(0.0, stop_s - (stopped_at - sent)))
         resumed = self._signal(signal.SIGCONT)
         now = time.monotonic()
         self.stopped_total_s += now - stopped_at
         self.stops += 1
-        # A process takes a SIGSTOP on a CPU of its own: on a loaded machine it waits on a
-        # run queue for one, runnable but not working. That wait is not work: forgotten.
+        # Waiting on a run queue for a CPU to take the SIGSTOP on is not work: forgotten.
         meter.used()
         meter.wait_s = wait_before
-        debt.resumed(now, now - stopped_at)
+        debt.resumed(now - stopped_at)
         return resumed
