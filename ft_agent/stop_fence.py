@@ -14,6 +14,12 @@ shortest stop that may cost a node its place. A ticker thread notes gaps on the 
 clock; the SIGCONT handler, on the main thread (where the training writes), reads the gap and
 blocks there until the launcher answers. Stops shorter than the threshold (the rank_slow
 throttle stops a rank for milliseconds, many times a second) pass without a word.
+
+A limit: the kernel hands a process's SIGCONT to any one thread that does not block it, and
+Python sets the main thread's handler going from that thread. When another thread takes it
+and waits for a CPU while the main thread runs, the main thread may get as far as a write
+first. The ticker blocks SIGCONT (so does ZeroMQ in its threads); threads that libraries
+start (gloo's, say) inherit the mask of the thread that starts them, and do not.
 """
 
 from __future__ import annotations
@@ -128,6 +134,11 @@ class StopFence:
             self.installed = False
 
     def _run(self) -> None:
+        # A SIGCONT sent to the process is handled by one thread that does not block it,
+        # and Python runs the handler on the main thread only once that thread has run
+        # the C half of it: taken by this thread, while the main thread gets a CPU first,
+        # the main thread could write before it stops in the handler. So never this one.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCONT})
         while not self._stop.wait(self.detector.tick_s):
             with self._lock:
                 self.detector.tick(self._clock())

@@ -89,7 +89,8 @@ EVENTS: dict[str, EventDoc] = {
     "fault_injected": EventDoc(
         "faults", "a simulated fault was carried out",
         "rank, fault_type, pid, at, delay, counted_from (spawn or training; source for a "
-        "fault carried out by ft_agent), factor, duration, period_s (rank_slow)"),
+        "fault carried out by ft_agent), factor, duration, max_stop_s (rank_slow: the "
+        "throttle's longest stop)"),
     "fault_not_fired": EventDoc(
         "faults", "a cycle ended (and with it, for the last one, the job) with its armed "
         "simulated fault never fired",

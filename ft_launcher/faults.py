@@ -5,8 +5,9 @@ so they work for any script. ``rank_exit`` needs the worker to exit with a given
 only the worker can do: the launcher arms it through ``FT_SIMULATED_FAULT`` and ft_agent,
 once initialised in the worker, exits at the planned time. ``rank_slow:factor=F`` makes
 a rank that times sections (ft_agent) stretch each to F times its work, armed the same way;
-a rank that times none is slowed to ~1/F of its CPU from outside (SIGSTOP/SIGCONT,
-ft_launcher/stragglers/throttle.py); either until the cycle ends, or for ``duration`` s.
+a rank that times none is stopped from outside for F-1 times each slice of its work
+(SIGSTOP/SIGCONT, ft_launcher/stragglers/throttle.py); either until the cycle ends, or for
+``duration`` s.
 """
 
 from __future__ import annotations
@@ -267,8 +268,9 @@ def inject(group: WorkerGroup, armed: ArmedFault, cycle: int, events: Callable[.
         if times_sections(armed.rank):
             # It slows its sections itself (ft_agent, FT_SIMULATED_FAULT) and says when.
             return Injected(None, record)
-        # Else a SIGSTOP/SIGCONT budget on the victim alone (throttle.py holds a pidfd, so a
-        # reused pid is never signalled), until it closes a section; peers are only read.
+        # Else stops in proportion to its work, from outside, until it closes a section
+        # (throttle.py holds a pidfd of the pid we spawned, so a reused pid is never
+        # signalled, and signals nothing else; the peers' pace is only read).
         peers = [w.pid for w in group.workers if w is not victim and w.alive]
         try:
             throttle = new_throttle(victim.pid, armed.factor, duration_s=armed.duration,
@@ -277,7 +279,7 @@ def inject(group: WorkerGroup, armed: ArmedFault, cycle: int, events: Callable[.
             return None
         throttle.start()
         extra = {"factor": armed.factor, "duration": armed.duration,
-                 "period_s": throttle.cycle.period_s, "by": "throttle"}
+                 "max_stop_s": throttle.max_stop_s, "by": "throttle"}
     else:
         group.signal_process(victim, victim.pid, armed.signum)
     events("fault_injected", rank=armed.rank, fault_type=armed.fault_type,

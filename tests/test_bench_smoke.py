@@ -227,7 +227,35 @@ def test_bad_option_is_one_clear_line() -> None:
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines() == [
         "error: --only: expected a comma-separated subset of "
-        "heartbeat,hang,crash,startup,footprint,training,goodput, got 'heartbeat,speed'"]
+        "heartbeat,hang,crash,startup,footprint,training,goodput,verdict, got "
+        "'heartbeat,speed'"]
+
+
+def test_a_heartbeat_mark_is_read_whole_or_not_at_all(tmp_path: Path) -> None:
+    mark = tmp_path / "hb_mark_1"
+    assert measures.read_mark(mark) is None  # not written yet
+    mark.write_text(f"{7:12d} 1700000000.250000 1700000000.250100\n")
+    assert measures.read_mark(mark) == (7, 1700000000.25, 1700000000.2501)
+    mark.write_text(f"{8:12d} 1700000000.2")  # torn: being rewritten
+    assert measures.read_mark(mark) is None
+
+
+@pytest.mark.timeout(120)
+def test_the_verdict_measure_stops_a_rank_right_after_a_heartbeat(tmp_path: Path) -> None:
+    """--only verdict (not in the default set): the driver SIGSTOPs rank 1 right after a
+    send_heartbeat() call returned and times the verdict from that call."""
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--smoke", "--only", "verdict", "--launchers",
+         "ours,torchrun", "--out", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=100, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert set(doc["raw"]["verdict"]) == {"ours"}  # torchrun has no heartbeat client
+    run = doc["raw"]["verdict"]["ours"][0]
+    assert run["late_stop"] is False, run
+    assert 0 <= run["stop_after_return_ms"] < run["excess_ms"] < 2000, run
+    assert 1.5 < run["detect_s"] < 5.0, run
 
 
 @pytest.mark.timeout(90)

@@ -97,6 +97,35 @@ def test_the_handler_asks_and_exits_on_stale_or_no_answer_and_goes_on_when_curre
     assert exits == [STALE_EXIT_CODE, STALE_EXIT_CODE]  # stale, then no answer
 
 
+def _blocked(tid: int) -> set[int]:
+    """The signals a thread of this process blocks, from /proc."""
+    for line in Path(f"/proc/self/task/{tid}/status").read_text().splitlines():
+        if line.startswith("SigBlk:"):
+            mask = int(line.split()[1], 16)
+            return {n for n in range(1, 65) if mask >> (n - 1) & 1}
+    raise AssertionError("no SigBlk line")
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs /proc")
+def test_the_ticker_thread_never_takes_the_sigcont():
+    """A SIGCONT taken by the ticker (whose tick is due the moment a long stop ends) lets
+    the main thread run on until the ticker gets a CPU: in a process whose main thread
+    blocks SIGCONT (so another thread takes it), the main thread wrote before its handler
+    ran in 4 of 30 trials on a loaded 2-core machine. The ticker blocks it."""
+    fence = StopFence(1.0, lambda s: (True, ""))
+    assert fence.install()
+    try:
+        deadline = time.monotonic() + 5
+        while fence._thread is not None and fence._thread.native_id is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        time.sleep(0.05)  # the thread has set its mask before its first tick
+        assert signal.SIGCONT in _blocked(fence._thread.native_id)
+        assert signal.SIGCONT not in _blocked(threading.main_thread().native_id)
+    finally:
+        fence.close()
+
+
 # -- the question, over a real monitor socket ------------------------------------------------
 
 

@@ -52,9 +52,12 @@ from measures import Context, Launchers, Settings  # noqa: E402
 log = logging.getLogger("bench")
 
 ALL_MEASURES = ("heartbeat", "hang", "crash", "startup", "footprint", "training", "goodput")
+# Run only when named in --only: the verdict's latency past the timeout, counted from the
+# victim's last send_heartbeat() call (it is SIGSTOPped right after one returns).
+EXTRA_MEASURES = ("verdict",)
 ALL_LAUNCHERS = ("ours", measures.COLD, measures.WARM, "torchrun", "nvrx")
 # torchrun has no heartbeat client and no monitor: nothing to measure for these two.
-CLIENT_MEASURES = ("heartbeat", "footprint")
+CLIENT_MEASURES = ("heartbeat", "footprint", "verdict")
 # Warm restart changes how a cycle starts (the first cycle's workers and every restart's
 # come from the zygote): ours-warm and ours-cold (against ours' defaults) run where that
 # shows. Their fault-free runs give their start-up and the clean half of their goodput
@@ -84,7 +87,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=None,
                    help="runs per launcher and measure [5; --quick 3]")
     p.add_argument("--only", default=",".join(ALL_MEASURES),
-                   help=f"comma-separated measures [{','.join(ALL_MEASURES)}]")
+                   help=f"comma-separated measures [{','.join(ALL_MEASURES)}; also "
+                        f"{','.join(EXTRA_MEASURES)}]")
     p.add_argument("--launchers", default=",".join(ALL_LAUNCHERS),
                    help=f"comma-separated launchers [{','.join(ALL_LAUNCHERS)}]")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent),
@@ -187,6 +191,14 @@ def method(s: Settings) -> list[str]:
         f"{s.hang_bound_s:g} s and reported as not detected. 'verdict − SIGSTOP − timeout' "
         "can be negative by up to one step: the timeout runs from the victim's last "
         "heartbeat, which came before the signal.",
+        f"verdict (only with --only verdict): {s.settle_s:g} s after every rank's first step "
+        "the driver reads rank 1's heartbeat mark (the workload's --hb-mark: after each "
+        "send_heartbeat() returns, the call's and the return's unix time, rewritten in "
+        f"place) every {measures.MARK_POLL_S * 1000:g} ms and SIGSTOPs rank 1 as soon as a "
+        "new call has returned (the rank is then in its step, a heartbeat a step, so no "
+        "further call precedes the stop; the JSON says late_stop when one did). Verdict "
+        "time as in hang. excess_ms = verdict − (that call + timeout); after_return_ms = "
+        "verdict − (its return + timeout).",
         f"crash: {s.settle_s:g} s after every rank's first step the driver SIGKILLs rank 1 "
         "(--max-restarts 1); the figure ends at the latest first step among the new cycle's "
         "ranks, bounded by "
@@ -363,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="[bench %(asctime)s] %(message)s", stream=sys.stderr)
     if args.render:
         return render(Path(args.render), Path(args.out))
-    selected = _choice("--only", args.only, ALL_MEASURES)
+    selected = _choice("--only", args.only, ALL_MEASURES + EXTRA_MEASURES)
     launchers = _choice("--launchers", args.launchers, ALL_LAUNCHERS)
     if args.quick and args.smoke:
         raise SystemExit("error: --quick and --smoke: choose one")

@@ -279,6 +279,69 @@ def _nvrx_log_time(line: str) -> float | None:
         return None
 
 
+# -- 2b. verdict latency from the last heartbeat call ---------------------------------
+
+MARK_POLL_S = 0.0005  # how often the driver reads the victim's heartbeat mark
+
+
+def read_mark(path: Path) -> tuple[int, float, float] | None:
+    """(calls, last call's unix time, its return's) from a workload's --hb-mark file; None
+    while there is none or the line is torn (being rewritten)."""
+    try:
+        parts = path.read_text().split()
+        return int(parts[0]), float(parts[1]), float(parts[2])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _stop_after_a_heartbeat(run: Run, mark: Path, victim: int, bound_s: float
+                            ) -> tuple[tuple[int, float, float], float] | None:
+    """SIGSTOP ``victim`` as soon as a new heartbeat call of it has returned (its mark
+    changed); (that mark, the signal's time), or None when none came within ``bound_s``."""
+    seen = read_mark(mark)
+    deadline = time.monotonic() + bound_s
+    while time.monotonic() < deadline:
+        now = read_mark(mark)
+        if now is not None and (seen is None or now[0] > seen[0]):
+            return now, run.signal_worker(victim, signal.SIGSTOP)
+        time.sleep(MARK_POLL_S)
+    return None
+
+
+def verdict(ctx: Context, launcher: str, tag: str) -> Result:
+    """SIGSTOP rank 1 right after a send_heartbeat() call returned; the verdict's time
+    minus (that call + the timeout): what the launcher adds to the timeout itself."""
+    s = ctx.settings
+    bound = HB_TIMEOUT_S + s.hang_bound_s
+    mark = ctx.root / tag / "hb_mark_{rank}"
+    args = [*ctx.train_args(ENDLESS_STEPS), "--hb-mark", str(mark)]
+    with ctx.run(tag, launcher, s.nproc, 0, args) as run:
+        failed = _start_and_wait(run, ctx, s.nproc)
+        if failed:
+            return {"excess_ms": None, **failed}
+        run.sleep_until(time.time() + s.settle_s)
+        victim, path = run.pid_of(1), Path(str(mark).replace("{rank}", "1"))
+        stopped = _stop_after_a_heartbeat(run, path, victim, s.settle_s + 5.0)
+        if stopped is None:
+            return {"excess_ms": None, "note": "rank 1 wrote no heartbeat mark"}
+        seen, t_sig = stopped
+        # Read before the verdict: the launcher continues the rank to end it, and it may
+        # heartbeat again then. A write in flight when the stop landed is done by now.
+        run.sleep_until(t_sig + 0.05)
+        last = read_mark(path) or seen
+        read_verdict = _verdict_reader(launcher, run, t_sig)
+        run.wait(lambda: read_verdict() is not None, bound)
+        got = read_verdict()
+    if got is None:
+        return {"excess_ms": None, "note": f"not detected within {bound:.0f} s"}
+    t = got.t
+    return {"excess_ms": round((t - last[1] - HB_TIMEOUT_S) * 1000, 1),
+            "after_return_ms": round((t - last[2] - HB_TIMEOUT_S) * 1000, 1),
+            "stop_after_return_ms": round((t_sig - seen[2]) * 1000, 2),
+            "late_stop": last[0] != seen[0],  # a later call slipped in before the stop
+            "detect_s": round(t - t_sig, 4)}
+
+
 # -- 3. crash recovery ----------------------------------------------------------------
 
 

@@ -49,6 +49,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--duration", type=float, default=60.0, help="idle mode: seconds")
     p.add_argument("--sections", action="store_true",
                    help="train mode: each step in a 'compute' section (clients that have them)")
+    p.add_argument("--hb-mark", default=None,
+                   help="train mode: after each send_heartbeat() returns, write 'count "
+                        "call_time return_time' (unix seconds) over this file ({rank}: the "
+                        "rank), for a driver that stops the rank right after a call")
     p.add_argument("--light", action="store_true",
                    help="train mode without torch: a step is the sleep alone, the checkpoint a "
                         "JSON file (the smoke test's quick variant; the benchmark never uses it)")
@@ -168,6 +172,25 @@ def run_idle(client: Any, record: Recorder, hz: float, duration: float) -> None:
         client.send_heartbeat()
 
 
+class HeartbeatMark:
+    """``send_heartbeat()`` that also writes, once it returns, how many calls were made and
+    when the last one was called and returned, over one fixed-width line (a reader retries
+    a line it finds torn)."""
+
+    def __init__(self, client: Any, path: str | None, rank: int) -> None:
+        self.client, self.calls = client, 0
+        self.fd = None if path is None else os.open(
+            path.replace("{rank}", str(rank)), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+
+    def __call__(self) -> None:
+        called = time.time()
+        self.client.send_heartbeat()
+        if self.fd is not None:
+            self.calls += 1
+            line = f"{self.calls:12d} {called:.6f} {time.time():.6f}\n"
+            os.pwrite(self.fd, line.encode(), 0)
+
+
 def run_train(client: Any, record: Recorder, args: argparse.Namespace) -> None:
     """DDP training that checkpoints every ``--ckpt-every`` steps and resumes from it."""
     import torch
@@ -193,6 +216,7 @@ def run_train(client: Any, record: Recorder, args: argparse.Namespace) -> None:
     ddp = DistributedDataParallel(model) if world > 1 else model
     gen = torch.Generator().manual_seed(record.rank)
     sections = args.sections and hasattr(client, "start_section")
+    heartbeat = HeartbeatMark(client, args.hb_mark, record.rank)
     for step in range(start + 1, args.steps + 1):
         if sections:
             client.start_section("compute")
@@ -207,7 +231,7 @@ def run_train(client: Any, record: Recorder, args: argparse.Namespace) -> None:
             time.sleep(args.step_time)
         if sections:
             client.end_section("compute")
-        client.send_heartbeat()
+        heartbeat()
         if ckpt is not None and (step % args.ckpt_every == 0 or step == args.steps):
             if record.rank == 0:
                 tmp = ckpt.with_suffix(".tmp")
@@ -226,6 +250,7 @@ def run_light(client: Any, record: Recorder, args: argparse.Namespace) -> None:
     ckpt = Path(args.ckpt_dir) / "light.json" if args.ckpt_dir else None
     start = json.loads(ckpt.read_text())["step"] if ckpt is not None and ckpt.exists() else 0
     sections = args.sections and hasattr(client, "start_section")
+    heartbeat = HeartbeatMark(client, args.hb_mark, record.rank)
     for step in range(start + 1, args.steps + 1):
         if sections:
             client.start_section("compute")
@@ -234,7 +259,7 @@ def run_light(client: Any, record: Recorder, args: argparse.Namespace) -> None:
         time.sleep(args.step_time)
         if sections:
             client.end_section("compute")
-        client.send_heartbeat()
+        heartbeat()
         if ckpt is not None and record.rank == 0 and (
                 step % args.ckpt_every == 0 or step == args.steps):
             ckpt.parent.mkdir(parents=True, exist_ok=True)

@@ -195,6 +195,7 @@ BENCH_RUNS = [  # (file, section title); files written by scripts/bench/bench.py
     ("goodput.json", "Start-up and goodput with a kill and a hang"),
     ("results.json", "Full run of every measure"),
     ("crash_defaults.json", "Crash recovery with the defaults (warm restart on) and with it off"),
+    ("verdict.json", "Hang verdict past the timeout, from the last heartbeat call"),
 ]
 
 WARM_KEYS = {
