@@ -376,6 +376,11 @@ CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 @click.option("--workers-stop-timeout", "workers_stop_timeout", type=Seconds(0.0, 86400.0),
               default=15.0, show_default=True,
               help="Grace between SIGTERM and SIGKILL when stopping a group.")
+@click.option("--workers-exit-timeout", "workers_exit_timeout", type=Seconds(0.0, 86400.0),
+              default=30.0, show_default=True,
+              help="Seconds a rank that said goodbye may take to exit once a peer exited "
+                   "cleanly; then its stack is dumped, it is killed and the job succeeds "
+                   "(exit_stuck). 0: wait for it forever.")
 @click.option("--shutdown-timeout", "--shutdown_timeout", "shutdown_timeout",
               type=Seconds(0.0, 86400.0), default=None,
               help="torchrun's name for --term-timeout: seconds between the stop signal and "
@@ -531,6 +536,7 @@ def build_launch_config(opts: dict[str, Any], origin: Mapping[str, str] | None =
                                          src("local_ranks_filter", "--local-ranks-filter")),
         term_timeout=_term_timeout(opts, src, environ),
         workers_stop_timeout=opts["workers_stop_timeout"],
+        workers_exit_timeout=opts["workers_exit_timeout"],
         ft=ft,
         **_torchrun_extras(opts, src),
     )

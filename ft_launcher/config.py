@@ -268,6 +268,9 @@ class LaunchConfig:
     local_ranks_filter: set[int] | None = None
     term_timeout: float = 30.0
     workers_stop_timeout: float = 15.0
+    # A rank done training (goodbye) that has not exited this long after a peer's clean
+    # exit is stuck in its teardown (hang/exit_watch.py); 0 = wait forever.
+    workers_exit_timeout: float = 30.0
     role: str = "default"  # ROLE_NAME in the workers' environment (torchrun's --role)
     # torchrun's --local-addr: the address this node advertises in a c10d/etcd-v2
     # rendezvous (its workers' MASTER_ADDR when it is group rank 0); None = found by route.

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from ft_launcher import faults
 from ft_launcher.config import LaunchConfig
 from ft_launcher.hang import nccl_trace
+from ft_launcher.hang.exit_watch import ExitWatch
 from ft_launcher.hang.liveness import HangVerdict
 from ft_launcher.hang.monitor import RankSlot, monotonic_of, wall_of
 from ft_launcher.hang.response import HangResponse
@@ -193,6 +194,12 @@ def arm_fault(plan: faults.FaultPlan | None, cycle: int, rnd: RoundInfo,
     return armed
 
 
+def earliest(*times: float | None) -> float | None:
+    """The earliest of the times given (None ones ignored), None when there is none."""
+    known = [t for t in times if t is not None]
+    return min(known) if known else None
+
+
 def ignoring_since(monitor: Any, clock: Clock,
                    signalled_at: float) -> Callable[[list[Worker]], list[Worker]]:
     """Which live workers ignore the stop signal: still active (heartbeats, sections,
@@ -276,6 +283,28 @@ class PeerWatch:
         return None
 
 
+class StuckExits:
+    """Ranks that said goodbye after a peer exited cleanly but do not exit themselves
+    (``exit_watch``): their stacks are dumped and the cycle succeeds (its teardown ends
+    them)."""
+
+    def __init__(self, d: CycleDeps, cycle: int, hang: HangResponse) -> None:
+        self.d, self.cycle, self.hang = d, cycle, hang
+        self.watch = ExitWatch(d.cfg.workers_exit_timeout)
+
+    def check(self, group: GroupPort) -> CycleResult | None:
+        workers = group.workers
+        stuck = self.watch.overdue(self.d.clock.monotonic(),
+                                   any(w.exit_code == 0 for w in workers),
+                                   {w.rank for w in workers if w.alive},
+                                   self.d.monitor.goodbye_ranks())
+        if not stuck:
+            return None
+        self.hang.dump_stacks(group)
+        self.d.events("exit_stuck", ranks=stuck, waited_s=self.watch.grace_s)
+        return CycleResult(self.cycle, Outcome.SUCCEEDED)
+
+
 class Cycle:
     """One cycle of one round on this node; ``run()`` returns how it ended."""
 
@@ -294,6 +323,7 @@ class Cycle:
         self.throttle: Any = None  # a rank_slow fault in progress
         self.hang = HangResponse(d.monitor, d.rundir.stacks, number,
                                  ft.rank_termination_signal, d.events)
+        self.stuck = StuckExits(d, number, self.hang)
 
     def run(self) -> CycleResult:
         self.start()
@@ -398,7 +428,8 @@ class Cycle:
                           d.standbys.needs_ticks, d.signals.any_owed())
         return WakeInputs(now=d.clock.monotonic(), wall=d.clock.time(),
                           interval=d.cfg.monitor_interval, polls=polls,
-                          deadline=d.monitor.next_deadline(), fault_due=fault_due,
+                          deadline=earliest(d.monitor.next_deadline(),
+                                            self.stuck.watch.deadline()), fault_due=fault_due,
                           status_due=d.status_due(), batch_until=state.batch_until)
 
     def one_pass(self, state: WatchState, planned: float) -> CycleResult | None:
@@ -411,7 +442,8 @@ class Cycle:
         self.note_training(state)
         self.maybe_inject(state)
         result = (self.check_signals() or self.check_controls() or self.check_exits()
-                  or (may_judge and self.check_hang()) or self.check_stragglers())
+                  or self.stuck.check(self.group) or (may_judge and self.check_hang())
+                  or self.check_stragglers())
         if result:
             return result
         self.d.status()

@@ -68,6 +68,10 @@ EVENTS: dict[str, EventDoc] = {
         "cycle", "a rank sent a report (for instance an exception before it dies)",
         "rank, what, message"),
     "rank_goodbye": EventDoc("cycle", "a rank shut its monitoring down cleanly", "rank"),
+    "exit_stuck": EventDoc(
+        "cycle", "ranks said goodbye after a peer exited cleanly but did not exit within "
+        "waited_s; their stacks were dumped, they were killed and the cycle succeeded",
+        "ranks, waited_s"),
     "workload_control": EventDoc(
         "cycle", "a rank asked the launcher to continue, exclude its node or shut down",
         "rank, action, description"),

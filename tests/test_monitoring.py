@@ -85,6 +85,20 @@ def test_python_sleep_hang_stack_names_the_function(run_dir):
     assert named(events(run_dir), "restart")
 
 
+def test_a_rank_stuck_after_its_goodbye_is_dumped_and_ended_and_the_job_succeeds(run_dir):
+    res = run_launcher(run_dir, "--nproc-per-node", "2", "--workers-exit-timeout", "3",
+                       CASES, "stuck_after_goodbye")
+    assert res.returncode == 0, res.stdout
+    evs = events(run_dir)
+    assert [e["ranks"] for e in named(evs, "exit_stuck")] == [[1]]
+    assert "in stuck_in_teardown" in _stack(run_dir, 1)  # py-spy, after the agent shut down
+    exits = {e["rank"]: e for e in named(evs, "worker_exited")}
+    assert exits[0]["exit_code"] == 0 and exits[1]["signal"] == "SIGKILL"
+    gone, stuck = exits[0]["ts"], named(evs, "exit_stuck")[0]["ts"]
+    assert 3.0 <= stuck - gone < 3.0 + 10.0
+    assert summary(run_dir)["restarts"] == 0
+
+
 def test_hang_before_first_heartbeat_is_caught_by_initial_timeout(run_dir):
     res = run_launcher(run_dir, "--nproc-per-node", "2", "--max-restarts", "1",
                        "--ft-initial-rank-heartbeat-timeout", "4", CASES, "sleep_before_init")

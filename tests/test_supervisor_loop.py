@@ -127,6 +127,7 @@ class FakeMonitor:
         self.group: FakeGroup | None = None
         self.training = True
         self.silent: dict[int, float] = {}
+        self.goodbyes: set[int] = set()
 
     def start_cycle(self, cycle: int, slots: list[Any], spawned: dict[int, float],
                     private_dir: Path, **callbacks: Any) -> None:
@@ -164,6 +165,9 @@ class FakeMonitor:
 
     def all_connected(self) -> bool:
         return True
+
+    def goodbye_ranks(self) -> set[int]:
+        return set(self.goodbyes)
 
     def take_controls(self) -> list[tuple[int, str]]:
         taken, self.controls = self.controls, []
@@ -624,6 +628,33 @@ def test_a_job_that_ends_before_its_fault_says_so_once(tmp_path):
         **missed[0], "cycle": 0, "fault_type": "rank_killed", "rank": 0, "delay": 60.0,
         "counted_from": "spawn", "cycle_s": pytest.approx(2.0, abs=0.6)}
     assert names(events).index("fault_not_fired") < names(events).index("decision")
+
+
+def test_a_rank_that_said_goodbye_but_never_exits_is_ended_after_the_grace(tmp_path):
+    h = Harness(tmp_path)
+    h.at(4.0, lambda: h.monitor.goodbyes.update({0, 1}))
+    h.at(5.0, lambda: h.group.exit(0, 0))  # rank 1's teardown hangs
+    code, events = h.run()
+    assert code == 0
+    stuck = only(events, "exit_stuck")
+    assert len(stuck) == 1 and stuck[0]["ranks"] == [1] and stuck[0]["waited_s"] == 30.0
+    # Woken for the grace's end, not a pass later (the idle wake is 1 s).
+    assert h.clock.now - h.start == pytest.approx(5.0 + 30.0, abs=0.01)
+    assert names(events, "exit_stuck", "stacks_dumped", "worker_exited") == [
+        "worker_exited", "stacks_dumped", "exit_stuck", "worker_exited"]
+    killed = only(events, "worker_exited")[1]
+    assert killed["rank"] == 1 and killed["signal"] == "SIGKILL"
+    assert only(events, "decision")[0]["outcome"] == "succeeded"
+
+
+def test_a_rank_still_training_after_a_peer_exited_is_not_ended(tmp_path):
+    h = Harness(tmp_path)
+    h.at(4.0, lambda: h.monitor.goodbyes.add(0))
+    h.at(5.0, lambda: h.group.exit(0, 0))  # rank 1 works on without its goodbye
+    h.at(100.0, lambda: h.group.exit(1, 0))
+    code, events = h.run()
+    assert code == 0 and not only(events, "exit_stuck")
+    assert h.clock.now - h.start == pytest.approx(100.0, abs=1.1)
 
 
 # -- when to wake: a pure function -----------------------------------------------------------

@@ -126,6 +126,10 @@ class MonitorView:
         """Every rank of the cycle said hello (so none waits for a reply)."""
         return all(s.identity is not None for s in self.slots.values())
 
+    def goodbye_ranks(self) -> set[int]:
+        """The ranks that said goodbye this cycle (and did not connect again)."""
+        return {s.rank for s in self.slots.values() if s.said_goodbye}
+
     def protocol_errors(self) -> dict[str, Any]:
         """Counts of ignored messages per reason (and a few unknown section names)."""
         errors: dict[str, Any] = dict(self.counters)

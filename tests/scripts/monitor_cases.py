@@ -25,6 +25,10 @@ def slow_section_work():
     time.sleep(600)
 
 
+def stuck_in_teardown():
+    time.sleep(600)
+
+
 def record(name, data):
     (RUN / f"{name}_cycle_{CYCLE}_rank_{RANK}.json").write_text(json.dumps(data))
 
@@ -94,3 +98,5 @@ elif MODE == "clean_long":
 else:
     beat(client, 10)
 client.shutdown_workload_monitoring()
+if MODE == "stuck_after_goodbye" and RANK == 1:  # done training, then never exits
+    stuck_in_teardown()
