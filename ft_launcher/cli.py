@@ -355,8 +355,9 @@ CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
               default=0, show_default=True, help="Restarts of the worker group before giving up.")
 @click.option("--monitor-interval", "--monitor_interval", "monitor_interval",
               type=Seconds(0.001, 3600.0), default=0.1, show_default=True,
-              help="Seconds between polls of other nodes (and of warm-restart standbys); "
-                   "worker exits, signals and messages are seen at once.")
+              help="Seconds between polls of other nodes (and of the warm-restart zygote "
+                   "while its answer is due); worker exits, signals and messages are seen "
+                   "at once.")
 @click.option("--log-dir", "--log_dir", "log_dir", default=None,
               help="Directory for worker logs [RUN_DIR/logs].")
 @click.option("-r", "--redirects", default=None,

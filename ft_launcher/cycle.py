@@ -424,13 +424,13 @@ class Cycle:
     def wake_inputs(self, state: WatchState) -> WakeInputs:
         d, armed = self.d, self.armed
         fault_due = None if armed is None else armed.due(state.spawned_at)
-        polls = must_poll(d.rdzv.polls_peers, self.exchange is not None,
-                          d.standbys.needs_ticks, d.signals.any_owed())
-        return WakeInputs(now=d.clock.monotonic(), wall=d.clock.time(),
-                          interval=d.cfg.monitor_interval, polls=polls,
-                          deadline=earliest(d.monitor.next_deadline(),
-                                            self.stuck.watch.deadline()), fault_due=fault_due,
-                          status_due=d.status_due(), batch_until=state.batch_until)
+        polls = must_poll(d.rdzv.polls_peers, self.exchange is not None, d.signals.any_owed())
+        now = d.clock.monotonic()
+        return WakeInputs(now=now, wall=d.clock.time(), interval=d.cfg.monitor_interval,
+                          polls=polls,
+                          deadline=earliest(d.monitor.next_deadline(), self.stuck.watch.deadline()),
+                          fault_due=fault_due, status_due=d.status_due(),
+                          batch_until=state.batch_until, tick_due=d.standbys.tick_due(now))
 
     def one_pass(self, state: WatchState, planned: float) -> CycleResult | None:
         """Read, then judge: signals -> controls -> exits -> hang -> stragglers -> peers."""

@@ -69,6 +69,14 @@ class SignalBox:
     def wake_fd(self) -> int:
         return self._wake_r.fileno()
 
+    def poke(self) -> None:
+        """Wake the loop from another thread (a standby's output pump read a message for
+        it); never raises, and a full wake-up socket already means a wake-up is due."""
+        try:
+            self._wake_w.send(b"\0")
+        except OSError:  # full (BlockingIOError) or closed: nothing more to do
+            pass
+
     def drain_wakeups(self) -> None:
         try:
             while self._wake_r.recv(4096):

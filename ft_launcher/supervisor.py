@@ -78,7 +78,7 @@ class Supervisor:
         self.signals.install()
         # Warm restart (--ft-warm-restart): standby interpreters; inert when off.
         self.standbys = parts.standbys or \
-            StandbyPool(cfg, self.rundir.logs / "standby", self.event)
+            StandbyPool(cfg, self.rundir.logs / "standby", self.event, wake=self.signals.poke)
         self.joiner = Joiner(cfg, self.rdzv, self.standbys, self.signals, self.event,
                              self.rundir.path, parts.gpus)
         self.job = JobState(

@@ -38,6 +38,7 @@ class WakeInputs:
     fault_due: float | None = None  # the simulated fault, not fired yet
     status_due: float | None = None  # the status line
     batch_until: float = 0.0  # messages wait until then (read in one batch)
+    tick_due: float | None = None  # the standby pool's next timed step (monotonic)
 
 
 @dataclass(frozen=True)
@@ -48,19 +49,22 @@ class Wake:
     signals_only: bool
 
 
-def must_poll(polls_peers: bool, exchanges: bool, standbys_tick: bool, owed: bool) -> bool:
+def must_poll(polls_peers: bool, exchanges: bool, owed: bool) -> bool:
     """Whether something must be polled every ``--monitor-interval``: other nodes (the
-    rendezvous, the straggler exchange), the standby pool, or a rank a SIGUSR1 is owed to
-    (until it installs a handler)."""
-    return polls_peers or exchanges or standbys_tick or owed
+    rendezvous, the straggler exchange), or a rank a SIGUSR1 is owed to (until it
+    installs a handler). The standby pool says itself when it is due (``tick_due``)."""
+    return polls_peers or exchanges or owed
 
 
 def next_wake(w: WakeInputs) -> Wake:
     """The next wake-up: the earliest of the poll interval (or ``IDLE_WAKE_S``), the rank
-    deadline, the fault and the status line; within a message batch, on signals only."""
+    deadline, the standby pool's step, the fault and the status line; within a message
+    batch, on signals only."""
     timeout = w.interval if w.polls else IDLE_WAKE_S
     if w.deadline is not None:
         timeout = min(timeout, w.deadline - w.now)
+    if w.tick_due is not None:
+        timeout = min(timeout, w.tick_due - w.now)
     if w.fault_due is not None:
         timeout = min(timeout, w.fault_due - w.wall)
     if w.status_due is not None:

@@ -316,18 +316,19 @@ def test_a_full_run_dir_disk_keeps_the_exit_code_and_prints_the_summary(small_tm
 
 @pytest.mark.timeout(120)
 def test_a_run_dir_disk_filled_by_a_rank_keeps_room_for_the_record(tmpfs_2m: Path):
-    """The run dir on a 2 MiB tmpfs, a rank printing far more than that: its log stops
-    first (output_dropped, in events.jsonl), every event after it is still written, and
-    summary.json is on disk with the exit code."""
+    """The run dir on a 2 MiB tmpfs, a (warm) rank printing far more than that: its log
+    stops first (output_dropped, in events.jsonl, and the bytes in worker_exited), every
+    event after it is still written, and summary.json is on disk with the exit code."""
     run = tmpfs_2m / "run"
-    # Cold: a warm worker's log writer reports no output_dropped yet.
     res = launch(run, "--nproc-per-node", "1", "--redirects", "3", "--ft-min-free-space", "0",
-                 "--no-ft-warm-restart", IO_CASES, "chatty", "2.5")
+                 IO_CASES, "chatty", "2.5")
     assert res.returncode == 0, res.stderr[-3000:]
     assert (run / "summary.json").exists(), res.stderr[-3000:]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["exit_code"] == 0 and "events_dropped" not in summary, summary
     assert summary["workers"][0]["exit_code"] == 0, summary["workers"]
+    assert summary["workers"][0]["warm"] is True  # the default: a standby became the rank
+    assert summary["workers"][0]["output_dropped_bytes"] > 0, summary["workers"]
     evs = events(run)
     dropped = named(evs, "output_dropped")
     assert [d["rank"] for d in dropped] == [0], dropped

@@ -252,12 +252,13 @@ class FakeRendezvous:
 
 
 class FakeStandbys:
-    needs_ticks = False
+    def tick_due(self, now: float) -> None:
+        return None
 
     def take_store(self) -> None:
         return None
 
-    def take(self, spec: WorkerSpec) -> None:
+    def take(self, spec: WorkerSpec, sink: Any = None) -> None:
         return None
 
     def cycle_started(self) -> None:
@@ -683,8 +684,14 @@ def test_within_a_message_batch_only_signals_wake_the_loop():
 
 
 def test_an_owed_signal_or_another_node_makes_the_loop_poll():
-    assert not must_poll(False, False, False, False)
-    for i in range(4):
-        flags = [False] * 4
+    assert not must_poll(False, False, False)
+    for i in range(3):
+        flags = [False] * 3
         flags[i] = True
         assert must_poll(*flags)
+
+
+def test_the_standby_pools_next_step_ends_the_sleep_and_a_full_pool_none():
+    assert next_wake(_inputs(tick_due=10.3)).timeout == pytest.approx(0.3)
+    assert next_wake(_inputs(tick_due=12.0)).timeout == IDLE_WAKE_S
+    assert next_wake(_inputs(tick_due=None)).timeout == IDLE_WAKE_S

@@ -500,6 +500,79 @@ def test_the_first_cycle_waits_for_the_zygote_whatever_omp_num_threads(tmp_path,
             pool.close()
 
 
+def test_the_pool_asks_the_loop_to_wake_only_for_what_it_waits_for():
+    """The rule of the pool's wake-ups (injected times): the zygote's socket is polled every
+    interval while its answer is due; a refill is due REFILL_DELAY_S after the cycle
+    started, spawning and the idle zygote's raise SPAWN_DELAY_S after it; a full pool asks
+    for nothing; a step past its time is retried every interval, never in a busy loop."""
+    from ft_launcher.warm.standby_pool import (
+        REFILL_DELAY_S,
+        SPAWN_DELAY_S,
+        TickWants,
+        next_tick,
+    )
+
+    def due(now: float, **wants: bool) -> float | None:
+        flags = {"zygote_answer": False, "refill": False, "spawn": False,
+                 "raise_zygote": False, **wants}
+        return next_tick(TickWants(**flags), now, 100.0, 0.1)
+
+    assert due(100.5) is None  # full: only news (a wake, SIGCHLD) wakes the loop
+    assert due(100.5, zygote_answer=True) == pytest.approx(100.6)
+    assert due(100.5, refill=True) == 100.0 + REFILL_DELAY_S
+    assert due(100.5, spawn=True) == due(100.5, raise_zygote=True) == 100.0 + SPAWN_DELAY_S
+    assert due(100.5, refill=True, spawn=True, zygote_answer=True) == pytest.approx(100.6)
+    assert due(100.0 + REFILL_DELAY_S + 3, refill=True) == pytest.approx(
+        100.0 + REFILL_DELAY_S + 3.1)  # overdue and not taken: polled, not at once
+
+
+def test_a_full_pool_costs_no_wake_up_and_a_standbys_news_wakes_the_loop(tmp_path):
+    """A real zygote (preloading json, fast) and the pool's delays on a fake clock: polled
+    while the zygote imports; once full, no tick is due; a standby taken for a cycle is
+    refilled REFILL_DELAY_S after the cycle started, not before; the fork's messages call
+    ``wake`` (the loop sleeps meanwhile)."""
+    import threading
+
+    from ft_launcher.config import FaultToleranceConfig, LaunchConfig
+    from ft_launcher.process.workers import WorkerSpec
+    from ft_launcher.warm.standby_pool import REFILL_DELAY_S, StandbyPool
+
+    script = tmp_path / "train.py"
+    script.write_text("pass\n")
+    cfg = LaunchConfig(entrypoint=[sys.executable, "-u", str(script)], script_args=[],
+                       nproc_per_node=2, run_dir=tmp_path / "run", monitor_interval=0.1,
+                       ft=FaultToleranceConfig(preload=["json"]))
+    now = [100.0]
+    woken = threading.Event()
+    pool = StandbyPool(cfg, tmp_path / "standby", lambda name, **f: None, wake=woken.set,
+                       clock=lambda: now[0])
+    worker = None
+    try:
+        assert pool.tick_due(100.0) == pytest.approx(100.1)  # the zygote's ready: polled
+        wait_for(lambda: pool.tick(True) or not pool.first_cycle_waits(), 60,
+                 "a ready standby per local rank")
+        assert woken.is_set() and pool.tick_due(100.0) is None
+        spec = WorkerSpec(0, 0, cfg.entrypoint, dict(os.environ), tmp_path / "rank_0.log",
+                          False)
+        worker = pool.take(spec)
+        assert worker is not None and worker.warm
+        pool.cycle_started()
+        assert pool.tick_due(100.2) == 100.0 + REFILL_DELAY_S
+        pool.tick(False)
+        assert 0 not in pool.standbys  # not before its time
+        woken.clear()
+        now[0] = 100.0 + REFILL_DELAY_S
+        pool.tick(False)
+        assert 0 in pool.standbys and pool.tick_due(now[0]) is None  # forked: news awaited
+        assert woken.wait(30), "the fork's messages did not wake the loop"
+        wait_for(lambda: pool.tick(False) or pool.standbys[0].reported, 30,
+                 "the replacement standby to be ready")
+        assert pool.tick_due(now[0]) is None
+        assert worker.proc.wait(30) == 0
+    finally:
+        pool.close()
+
+
 THREADS = """import os, sys, torch
 x = torch.randn(256, 256)
 (x @ x).sum()  # a parallel region: OpenMP's pool starts here

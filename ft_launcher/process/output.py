@@ -15,8 +15,9 @@ never sees its pipe close while it lives:
   bars become lines), and a line over ``LINE_LIMIT`` cut with a marker.
 
 Entry points: ``Sink(log_file, prefix, label=..., on_drop=...)`` and
-``OutputPump(stream, sink, name, on_line=None).start()``; ``on_line(pump, line)`` may take
-a line for itself (return True) and switch ``pump.sink`` with ``pump.swap_sink``.
+``OutputPump(stream, sink, name, on_line=None, on_eof=None).start()``; ``on_line(pump,
+line)`` may take a line for itself (return True) and switch ``pump.sink`` with
+``pump.swap_sink``; ``on_eof()`` runs on the pump's thread once the pipe is drained.
 """
 
 from __future__ import annotations
@@ -207,10 +208,13 @@ class OutputPump:
     """A daemon thread copying a pipe into a Sink until EOF (see the module docstring)."""
 
     def __init__(self, stream: IO[bytes], sink: Sink, name: str,
-                 on_line: LineHook | None = None) -> None:
+                 on_line: LineHook | None = None,
+                 on_eof: Callable[[], None] | None = None) -> None:
         self.stream = stream
         self.sink = sink
         self.on_line = on_line
+        self.on_eof = on_eof  # called on the pump's thread once ``eof`` is set
+        self.eof = False  # the pipe is drained and closed (the thread is about to end)
         self.failures = 0
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
 
@@ -266,6 +270,12 @@ class OutputPump:
             except OSError:
                 pass
             self.sink.close()
+            self.eof = True
+            if self.on_eof is not None:
+                try:
+                    self.on_eof()
+                except Exception:
+                    self._failed("end-of-file hook")
 
 
 def open_log(path: os.PathLike[str] | str) -> IO[bytes]:

@@ -175,6 +175,10 @@ def spawn_process(argv: list[str], env: dict[str, str], stdin: int) -> subproces
     return proc
 
 
+# Warm restart's hand-over: (spec, the sink maker for its output) -> an activated standby.
+WarmSource = Callable[[WorkerSpec, Callable[[WorkerSpec], Sink]], Worker | None]
+
+
 class WorkerGroup:
     """The local workers of one cycle, each in its own session and process group."""
 
@@ -190,16 +194,16 @@ class WorkerGroup:
         self.clock, self.sleep = clock, sleep
         self._drops: list[dict[str, Any]] = []  # appended by output threads
 
-    def start(self, specs: list[WorkerSpec],
-              warm: Callable[[WorkerSpec], Worker | None] | None = None) -> None:
+    def start(self, specs: list[WorkerSpec], warm: WarmSource | None = None) -> None:
         """Spawn every worker; on a spawn failure kill the ones already started.
 
-        ``warm`` (warm restart, standby_pool.py) may hand over an activated standby for a spec;
-        where it returns None the worker is spawned cold.
+        ``warm(spec, sink)`` (warm restart, standby_pool.py) may hand over an activated
+        standby for a spec, its output going to ``sink(spec)`` as a cold worker's does (so a
+        full disk is reported alike); where it returns None the worker is spawned cold.
         """
         try:
             for spec in specs:
-                worker = warm(spec) if warm is not None else None
+                worker = warm(spec, self.sink) if warm is not None else None
                 if worker is None:
                     worker = self._spawn(spec)
                 self.workers.append(worker)

@@ -31,7 +31,7 @@ Where standbys come from:
   that imports the preloads itself, spawned once every rank of a cycle sent its first
   heartbeat (or ``SPAWN_DELAY_S`` passed), at most ``max(1, cores // 2)`` importing at once.
 
-Life cycle, driven by the supervisor's loop through five calls:
+Life cycle, driven by the supervisor's loop through six calls:
 
 - ``first_cycle_waits()``: before the first cycle, whether its start should wait (the
   supervisor ticks meanwhile, bounded, and stops on a terminating signal);
@@ -41,6 +41,11 @@ Life cycle, driven by the supervisor's loop through five calls:
 - ``tick(training_started)``: every loop iteration; reads the zygote's messages, reports
   ready standbys (``standby_ready`` with pid, time to ready and memory), replaces dead ones
   (``standby_died``), forks or spawns missing ones and reaps adopted orphans;
+- ``tick_due(now)``: when the loop must wake for ``tick`` at the latest (``next_tick``).
+  The pool is event-driven: a standby's messages and the end of its output wake the loop
+  (``wake``), exits of standbys, store hosts and orphans wake it by SIGCHLD; only the
+  zygote's socket is polled, while an answer from it is due. A full pool costs an idle
+  launcher no wake-up;
 - ``close()``: SIGKILL every standby's process group and the zygote (the supervisor's
   ``finally``). A SIGKILLed launcher takes them along through PDEATHSIG, like its workers.
 
@@ -106,11 +111,12 @@ STANDBY_ENV_KEYS = ("OMP_NUM_THREADS",)  # worker settings that libraries read a
 class StandbyPool:
     """The standbys of this node; every method is a no-op when warm restart is off."""
 
-    def __init__(self, cfg: LaunchConfig, log_dir: Path,
-                 event: Callable[..., Any]) -> None:
-        self.cfg = cfg
-        self.log_dir = log_dir
-        self.event = event
+    def __init__(self, cfg: LaunchConfig, log_dir: Path, event: Callable[..., Any],
+                 wake: Callable[[], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``wake()`` wakes the supervisor's loop (called on a standby's output thread);
+        ``clock`` times the refill and spawn delays (a test's fake clock)."""
+        self.cfg, self.log_dir, self.event, self.wake, self.clock = cfg, log_dir, event, wake, clock
         self.entry = PythonEntry.parse(cfg.entrypoint)
         self.enabled = cfg.ft.warm_restart
         # Without warm restart the zygote only hosts cycle stores (single node: other nodes
@@ -120,9 +126,9 @@ class StandbyPool:
         self.env = dict(os.environ)
         if cfg.nproc_per_node > 1 and "OMP_NUM_THREADS" not in self.env:
             self.env["OMP_NUM_THREADS"] = "1"  # what the workers get (worker_env's rule)
-        self._cycle_start = time.monotonic()
+        self._cycle_start = clock()
         self._early_deaths: dict[int, int] = {}
-        self._max_starting = max(1, (os.cpu_count() or 1) // 2)
+        self.max_starting = max(1, (os.cpu_count() or 1) // 2)
         self._held: list[tuple[str, dict[str, Any]]] | None = []  # events before the first call
         self.zygotes = ZygoteSide(cfg.run_dir, log_dir, self._preload(), self.stores_only)
         # The first cycle's workers come from the zygote's forks (see first_cycle_waits),
@@ -145,9 +151,11 @@ class StandbyPool:
 
     # -- the supervisor's calls ----------------------------------------------------------
 
-    def take(self, spec: WorkerSpec) -> Worker | None:
-        """Activate the ready standby of ``spec.local_rank`` as this cycle's worker (``tick``
-        forks its replacement once the new cycle trains)."""
+    def take(self, spec: WorkerSpec,
+             sink: Callable[[WorkerSpec], Sink] | None = None) -> Worker | None:
+        """Activate the ready standby of ``spec.local_rank`` as this cycle's worker, its output
+        to ``sink(spec)`` (``WorkerGroup.sink``: log, echo, drops reported as a cold worker's);
+        ``tick`` forks its replacement once the new cycle trains."""
         if not self.enabled:
             return None
         self._release_events()
@@ -163,8 +171,7 @@ class StandbyPool:
         if not sb.reported:
             self._report_ready(sb)
         record = encode_record(os.getcwd(), entry, spec.argv[n:], spec.env)
-        prefix = f"[rank{spec.rank}]: ".encode() if spec.echo else None
-        sb.cycle_sink = Sink(open_log(spec.log_path), prefix, label=f"rank {spec.rank}")
+        sb.cycle_sink = sink(spec) if sink is not None else plain_sink(spec)
         try:
             sb.stdin.write(record)
             sb.stdin.close()
@@ -198,16 +205,19 @@ class StandbyPool:
     def cycle_started(self) -> None:
         """The cycle's workers are up (spawned standbys wait until it runs, see ``tick``)."""
         self._first_cycle = False
-        self._cycle_start = time.monotonic()
+        self._cycle_start = self.clock()
         self._release_events()
         if self.enabled and self.entry is None:
             self._disable("the training program is not a Python script (--no-python); "
                           "workers start cold")
 
-    @property
-    def needs_ticks(self) -> bool:
-        """Whether ``tick`` has work to poll for: standbys, a zygote, adopted orphans."""
-        return self.enabled or self.stores_only or self.zygotes.adopting
+    def tick_due(self, now: float) -> float | None:
+        """When (``clock``) ``tick`` must run next at the latest; None when only news wakes
+        it: SIGCHLD (a standby, store host or adopted orphan exited), or ``wake`` (a
+        standby's message, the end of its output). See ``next_tick`` for the rule."""
+        if not self.enabled and not self.stores_only:
+            return None
+        return next_tick(wants_of(self), now, self._cycle_start, self.cfg.monitor_interval)
 
     def tick(self, training_started: bool) -> None:
         """Zygote messages; report ready and dead standbys; fork or spawn missing ones."""
@@ -217,7 +227,7 @@ class StandbyPool:
             return
         self.stores.reap_dying()
         self._release_events()
-        since_start = time.monotonic() - self._cycle_start
+        since_start = self.clock() - self._cycle_start
         running = training_started or since_start >= SPAWN_DELAY_S
         if self.zygote is not None:
             self._zygote_tick(running)
@@ -340,7 +350,7 @@ class StandbyPool:
         assert self.entry is not None
         starting = sum(1 for sb in self.standbys.values() if sb.ready_at is None)
         for local_rank in range(self.cfg.nproc_per_node):
-            if starting >= self._max_starting:
+            if starting >= self.max_starting:
                 return
             if local_rank not in self.standbys:
                 try:
@@ -353,7 +363,7 @@ class StandbyPool:
                 starting += 1
 
     def _start_pump(self, sb: Standby) -> None:
-        sb.start_pump()
+        sb.start_pump(self.wake)
         self.standbys[sb.local_rank] = sb
         log.debug("standby for local rank %d %s", sb.local_rank,
                   "requested from the zygote" if sb.forked else f"spawned: pid {sb.pid}")
@@ -395,6 +405,59 @@ class StandbyPool:
         self.enabled = False
         self._emit("warm_restart_disabled", reason=reason)
         self.close()
+
+
+@dataclass(frozen=True)
+class TickWants:
+    """What the pool is waiting for, as far as its next ``tick`` goes."""
+
+    zygote_answer: bool  # the zygote's readiness or a store host: on its socket, polled
+    refill: bool  # a local rank lacks a standby, and the zygote forks them
+    spawn: bool  # a local rank lacks a standby, to be spawned (no zygote; under the cap)
+    raise_zygote: bool  # the zygote imports at idle priority until the cycle runs
+
+
+def wants_of(pool: StandbyPool) -> TickWants:
+    """What ``pool`` is waiting for now."""
+    zygote = pool.zygote
+    missing = pool.enabled and pool.entry is not None and \
+        len(pool.standbys) < pool.cfg.nproc_per_node
+    starting = sum(1 for sb in pool.standbys.values() if sb.ready_at is None)
+    return TickWants(
+        zygote_answer=zygote is not None and (not zygote.ready or pool.stores.requested),
+        refill=missing and pool.zygotes.forking,
+        spawn=missing and zygote is None and starting < pool.max_starting,
+        raise_zygote=pool.enabled and zygote is not None and not zygote.raised)
+
+
+def next_tick(wants: TickWants, now: float, cycle_start: float,
+              interval: float) -> float | None:
+    """When the pool's ``tick`` must run next at the latest (None: only on news).
+
+    Only the zygote's socket is polled, every ``interval`` while an answer is due (its
+    import at start, a store host asked for at a cycle's start). The other steps have a
+    time: a refill ``REFILL_DELAY_S`` after the cycle started, spawned standbys and the
+    zygote's priority ``SPAWN_DELAY_S`` after it (the ranks' first heartbeats, which bring
+    them forward, wake the loop by themselves). A full pool waits for nothing: the loop
+    then sleeps as long as without warm restart. A step past its time that the last tick
+    could not take is retried every ``interval``, never in a busy loop."""
+    due: list[float] = []
+    if wants.zygote_answer:
+        due.append(now + interval)
+    if wants.refill:
+        due.append(cycle_start + REFILL_DELAY_S)
+    if wants.spawn or wants.raise_zygote:
+        due.append(cycle_start + SPAWN_DELAY_S)
+    if not due:
+        return None
+    first = min(due)
+    return first if first > now else now + interval
+
+
+def plain_sink(spec: WorkerSpec) -> Sink:
+    """A worker's log and echo, with no one told of dropped output."""
+    prefix = f"[rank{spec.rank}]: ".encode() if spec.echo else None
+    return Sink(open_log(spec.log_path), prefix, label=f"rank {spec.rank}")
 
 
 def forks_expected(entry: PythonEntry | None) -> bool:

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -77,10 +78,12 @@ class Standby:
     reported: bool = False
     pump: OutputPump | None = field(default=None, repr=False)
 
-    def start_pump(self) -> None:
-        """Read its output: messages to the launcher, the rest to its sink."""
+    def start_pump(self, wake: Callable[[], None] | None = None) -> None:
+        """Read its output: messages to the launcher, the rest to its sink. ``wake`` (from
+        the pump's thread) after each message and at the end of its output, so that the
+        launcher's loop sleeps until there is news instead of polling for it."""
         self.pump = OutputPump(self.stdout, self.sink, name=f"ft-standby-{self.local_rank}",
-                               on_line=message_hook(self)).start()
+                               on_line=message_hook(self, wake), on_eof=wake).start()
 
     def ready_fields(self) -> dict[str, object]:
         """The ``standby_ready`` event's fields after ``preload``."""
@@ -118,7 +121,7 @@ class Standby:
         """Dead: reaped, or (forked, pid not known yet) its output pipe closed."""
         if self.proc is not None:
             return self.proc.poll() is not None
-        return self.pump is not None and not self.pump.is_alive()
+        return self.pump is not None and (self.pump.eof or not self.pump.is_alive())
 
     def handle(self, message: str) -> bool:
         """A message line from the standby; True when its output now goes to the cycle."""
@@ -167,11 +170,12 @@ class ChildProcess:
         return code
 
 
-def message_hook(sb: Standby) -> LineHook:
+def message_hook(sb: Standby, wake: Callable[[], None] | None = None) -> LineHook:
     """The output pump's line hook: lines marked with the standby's nonce are messages to
     the launcher, kept out of every log. The "start" message switches the pump to the
     cycle's log: it is written after the activation record arrived, so nothing printed
-    before activation lands in the cycle's log and nothing after it is lost."""
+    before activation lands in the cycle's log and nothing after it is lost. ``wake``
+    follows each message (the launcher acts on it in its loop)."""
     mark = f"@@ft-standby {sb.nonce} ".encode()
 
     def on_line(pump: OutputPump, chunk: bytes) -> bool:
@@ -183,6 +187,8 @@ def message_hook(sb: Standby) -> LineHook:
         if sb.handle(chunk[at + len(mark):].decode(errors="replace").strip()) \
                 and sb.cycle_sink is not None:
             pump.swap_sink(sb.cycle_sink)
+        if wake is not None:
+            wake()
         return True
 
     return on_line
