@@ -140,10 +140,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--faults", default="kill,stop")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--keep", type=Path, default=None,
+                    help="keep the run directories under this directory [a temporary one]")
     args = ap.parse_args(argv)
     args.faults = args.faults.split(",")
     args.steps = args.steps or int(args.minutes * 60 * 8)
-    with tempfile.TemporaryDirectory(prefix="ft-soak-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="ft-soak-") as tmp_dir:
+        tmp = args.keep or tmp_dir
         ref_dir, soak_dir = Path(tmp) / "reference", Path(tmp) / "soak"
         ref = launch(ref_dir, args.steps, snapshots=False)
         ref.wait()
