@@ -314,6 +314,25 @@ def test_service_refused_area_turns_snapshots_off(tmp_path):
     assert job.area.path.exists()  # not ours to remove
 
 
+def test_a_launcher_that_never_made_its_area_removes_its_predecessors_at_close(tmp_path):
+    """A spare never admitted makes no area; the one a SIGKILLed launcher of the same run
+    directory left must still go when it exits (the two-node soak found it in /dev/shm)."""
+    killed, _ = service(tmp_path)
+    killed.begin_cycle([0], 1)
+    write(killed, 0, [1])  # SIGKILLed now: no close()
+    spare, evs = service(tmp_path)
+    spare.close()
+    assert not spare.area.path.exists() and evs == []
+    again, _ = service(tmp_path)
+    again.area.path.mkdir(mode=0o755)
+    os.chmod(again.area.path, 0o755)
+    again.close()
+    assert again.area.path.exists()  # not a private directory: not ours to remove
+    off = JobSnapshots(SnapshotOptions(None, None), "run", tmp_path / "run", tmp_path / "ipc",
+                       lambda name, **f: None, 1, shm=tmp_path / "shm")
+    off.close()
+    assert again.area.path.exists()  # snapshots off: it touches nothing
+
 def test_service_rank_reports_become_events(tmp_path):
     job, evs = service(tmp_path)
     job.on_report(1, json.dumps({"kind": "restored", "iteration": 4, "source": "local",
