@@ -3,7 +3,7 @@ bit-for-bit comparison with the same training run without faults.
 
     python scripts/snapshot_soak.py                          # 30 min, a fault every ~30 s
     python scripts/snapshot_soak.py --minutes 5 --every 20 --out /tmp/soak.json
-    python scripts/snapshot_soak.py --nodes 2 --minutes 30   # two launchers and a spare
+    python scripts/snapshot_soak.py --nodes 2 --minutes 30 --step-time 0.4   # and a spare
 
 Runs ``examples/train_ddp.py`` (2 ranks, gloo; the data of a step is a function of the seed,
 the step and the rank, so a resumed run computes what an uninterrupted one would) once
@@ -19,6 +19,12 @@ training:
   replicas on the other node; ``soak_nodes.py``) also ``freeze`` (SIGSTOP of a launcher and
   every process under it, thawed once the spare took its place) and ``node_kill`` (SIGKILL
   of a launcher, started again as the new spare once the world trains without it).
+
+The launcher looks for a new local snapshot to push to the other node 5 times a second: with
+``--nodes 2`` and steps shorter than that (the default ``--step-time``), a node's replica is
+usually two steps or more behind, the other rank's two local copies are newer, and after a
+node loss the world resumes from an older common copy or from the disk checkpoint (step 0
+here). ``--step-time 0.4`` keeps them within a step (as tests/multinode/test_snapshots_nodes.py).
 
 Then it checks: the final weights (rank 0's last checkpoint) are bit-identical to the
 fault-free run's; every launcher the soak did not kill exited 0; no process a launcher
@@ -66,13 +72,13 @@ POLL_S = 0.5
 SAMPLE_S = 2.0
 
 
-def train_args(steps: int, ckpt_dir: Path | None = None) -> list[str]:
+def train_args(steps: int, step_time: float, ckpt_dir: Path | None = None) -> list[str]:
     extra = ["--ckpt-dir", str(ckpt_dir)] if ckpt_dir else []
-    return [str(TRAIN), "--steps", str(steps), "--ckpt-every", "500", "--step-time", "0.05",
-            *extra]
+    return [str(TRAIN), "--steps", str(steps), "--ckpt-every", "500", "--step-time",
+            str(step_time), *extra]
 
 
-def launch(run_dir: Path, steps: int, snapshots: bool,
+def launch(run_dir: Path, steps: int, snapshots: bool, step_time: float,
            heartbeat_timeout: float = 5.0) -> subprocess.Popen:
     flags = ["--ft-run-dir", str(run_dir), "--nproc-per-node", "2", "--max-restarts", "1000",
              "--ft-rank-heartbeat-timeout", str(heartbeat_timeout),
@@ -81,7 +87,7 @@ def launch(run_dir: Path, steps: int, snapshots: bool,
         flags += ["--ft-snapshot-every", "1"]
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     log = open(run_dir.parent / f"{run_dir.name}.out", "w")  # noqa: SIM115 - the child's
-    return subprocess.Popen([*LAUNCHER, *flags, *train_args(steps)], stdout=log,
+    return subprocess.Popen([*LAUNCHER, *flags, *train_args(steps, step_time)], stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -115,7 +121,8 @@ class SingleJob:
 
     def __init__(self, base: Path, args: argparse.Namespace) -> None:
         self.run_dir = base / "soak"
-        self.proc = launch(self.run_dir, args.steps, True, args.heartbeat_timeout)
+        self.proc = launch(self.run_dir, args.steps, True, args.step_time,
+                           args.heartbeat_timeout)
         self.launcher = psutil.Process(self.proc.pid)
 
     def running(self) -> bool:
@@ -160,7 +167,8 @@ class NodesJob:
 
     def __init__(self, base: Path, args: argparse.Namespace) -> None:
         self.base = base / "nodes"
-        self.cluster = NodeCluster(self.base, train_args(args.steps, self.base / "ckpt"), args)
+        self.cluster = NodeCluster(
+            self.base, train_args(args.steps, args.step_time, self.base / "ckpt"), args)
         try:
             self.cluster.start()
         except BaseException:
@@ -345,9 +353,9 @@ def verdict(result: dict[str, Any]) -> bool:
             and all(result["locks_free"].values()))
 
 
-def reference(base: Path, steps: int) -> dict[str, Any]:
+def reference(base: Path, steps: int, step_time: float) -> dict[str, Any]:
     started = time.time()
-    proc = launch(base / "reference", steps, snapshots=False)
+    proc = launch(base / "reference", steps, False, step_time)
     proc.wait()
     return {"exit_code": proc.returncode, "wall_s": round(time.time() - started, 1),
             "weights": torch.load(base / "reference" / "ckpt" / "ckpt.pt", weights_only=True)
@@ -360,8 +368,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--every", type=float, default=30, help="mean seconds between faults")
     ap.add_argument("--nodes", type=int, choices=(1, 2), default=1,
                     help="1: one launcher, 2 ranks; 2: two launchers on loopback and a spare")
-    ap.add_argument("--rate", type=float, default=12.0,
-                    help="training steps per second, to size --steps [12: 2 ranks on 2 CPUs]")
+    ap.add_argument("--step-time", type=float, default=0.05,
+                    help="seconds each step sleeps besides its compute (train_ddp.py)")
+    ap.add_argument("--rate", type=float, default=None,
+                    help="training steps per second, to size --steps [1 / (step time + "
+                         "20 ms): 2 ranks on 2 shared CPUs]")
     ap.add_argument("--steps", type=int, default=0, help="training steps [--minutes x --rate]")
     ap.add_argument("--faults", default=None,
                     help="comma-separated, among kill, stop, freeze, node_kill [all that apply]")
@@ -376,6 +387,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
         args.faults = parse_faults(args.faults or default_faults(args.nodes), args.nodes)
     except ValueError as exc:
         ap.error(str(exc))
+    args.rate = args.rate or 1 / (args.step_time + 0.02)
     args.steps = args.steps or int(args.minutes * 60 * args.rate)
     return args
 
@@ -385,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     with tempfile.TemporaryDirectory(prefix="ft-soak-") as tmp_dir:
         base = args.keep or Path(tmp_dir)
-        ref = reference(base, args.steps)
+        ref = reference(base, args.steps, args.step_time)
         started = time.time()
         job = SingleJob(base, args) if args.nodes == 1 else NodesJob(base, args)
         try:
