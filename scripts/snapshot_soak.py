@@ -3,26 +3,43 @@ bit-for-bit comparison with the same training run without faults.
 
     python scripts/snapshot_soak.py                          # 30 min, a fault every ~30 s
     python scripts/snapshot_soak.py --minutes 5 --every 20 --out /tmp/soak.json
+    python scripts/snapshot_soak.py --nodes 2 --minutes 30 --step-time 0.4   # and a spare
 
-Runs ``examples/train_ddp.py`` (2 ranks, gloo; the data of a step is a function of the seed
-and the step, so a resumed run computes what an uninterrupted one would) once without faults,
-then under ``ft_launcher --ft-snapshot-every 1`` for about ``--minutes`` while a fault arrives
-every ``--every`` seconds (uniform within ±50 %), picked at random (``--seed``) from:
+Runs ``examples/train_ddp.py`` (2 ranks, gloo; the data of a step is a function of the seed,
+the step and the rank, so a resumed run computes what an uninterrupted one would) once
+without faults (one launcher, 2 ranks), then under ``ft_launcher --ft-snapshot-every 1``
+for about ``--minutes`` while a fault arrives every ``--every`` seconds (uniform within
+±50 %), picked at random (``--seed``, ``--faults``) and injected once the job is whole and
+training:
 
 - ``kill``: SIGKILL of a random rank;
 - ``stop``: SIGSTOP of a random rank (the launcher judges it hung after its heartbeat
-  timeout and restarts the group).
+  timeout and restarts the group);
+- with ``--nodes 2`` (two launchers on loopback, one rank each, a spare launcher waiting,
+  replicas on the other node; ``soak_nodes.py``) also ``freeze`` (SIGSTOP of a launcher and
+  every process under it, thawed once the spare took its place) and ``node_kill`` (SIGKILL
+  of a launcher, started again as the new spare once the world trains without it).
+
+The launcher looks for a new local snapshot to push to the other node 5 times a second: with
+``--nodes 2`` and steps shorter than that (the default ``--step-time``), a node's replica is
+usually two steps or more behind, the other rank's two local copies are newer, and after a
+node loss the world resumes from an older common copy or from the disk checkpoint (step 0
+here). ``--step-time 0.4`` keeps them within a step (as tests/multinode/test_snapshots_nodes.py).
 
 Then it checks: the final weights (rank 0's last checkpoint) are bit-identical to the
-fault-free run's; no process the launcher started is left; the job's snapshot directory in
-/dev/shm is gone; the run directory's lock can be taken; the launcher's memory (RSS, sampled
-every 2 s) stayed flat. It reports the faults, the restores, and the ledger's attribution
-(``summary.json``), to stdout and to ``--out`` as JSON. Exit 0 only when every check holds.
+fault-free run's; every launcher the soak did not kill exited 0; no process a launcher
+started is left; no snapshot area of the job is left in /dev/shm; every run directory's
+lock can be taken. It reports the faults (with, for each, the seconds from the fault to
+the first step of every rank in the next cycle), the restores, the launchers' memory (RSS,
+sampled every 2 s), the ledger's attribution per launcher (``ft_report --json``) and the
+goodput against the fault-free run's wall time, to stdout and to ``--out`` as JSON. Exit 0
+only when every check holds.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import fcntl
 import json
 import os
@@ -37,80 +54,233 @@ from typing import Any
 
 import psutil
 import torch
+from soak_faults import (
+    JobState,
+    can_inject,
+    choose,
+    default_faults,
+    next_gap,
+    parse_faults,
+    recovery_times,
+)
+from soak_nodes import NodeCluster
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "examples" / "train_ddp.py"
 LAUNCHER = [sys.executable, "-m", "ft_launcher.cli"]
+POLL_S = 0.5
+SAMPLE_S = 2.0
 
 
-def train_args(steps: int) -> list[str]:
-    return [str(TRAIN), "--steps", str(steps), "--ckpt-every", "500", "--step-time", "0.05"]
+def train_args(steps: int, step_time: float, ckpt_dir: Path | None = None) -> list[str]:
+    extra = ["--ckpt-dir", str(ckpt_dir)] if ckpt_dir else []
+    return [str(TRAIN), "--steps", str(steps), "--ckpt-every", "500", "--step-time",
+            str(step_time), *extra]
 
 
-def launch(run_dir: Path, steps: int, snapshots: bool) -> subprocess.Popen:
+def launch(run_dir: Path, steps: int, snapshots: bool, step_time: float,
+           heartbeat_timeout: float = 5.0) -> subprocess.Popen:
     flags = ["--ft-run-dir", str(run_dir), "--nproc-per-node", "2", "--max-restarts", "1000",
-             "--ft-rank-heartbeat-timeout", "5", "--ft-initial-rank-heartbeat-timeout", "120"]
+             "--ft-rank-heartbeat-timeout", str(heartbeat_timeout),
+             "--ft-initial-rank-heartbeat-timeout", "120"]
     if snapshots:
         flags += ["--ft-snapshot-every", "1"]
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
     log = open(run_dir.parent / f"{run_dir.name}.out", "w")  # noqa: SIM115 - the child's
-    return subprocess.Popen([*LAUNCHER, *flags, *train_args(steps)], stdout=log,
+    return subprocess.Popen([*LAUNCHER, *flags, *train_args(steps, step_time)], stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def ranks_of(launcher: psutil.Process) -> list[psutil.Process]:
-    """The launcher's training processes (a warm worker's command line is the cold one's)."""
+    """The launcher's training processes that run (a warm worker's command line is the
+    cold one's; a stopped one is a fault already injected)."""
     found = []
     for p in launcher.children(recursive=True):
         try:
-            if str(TRAIN) in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE:
+            if str(TRAIN) in " ".join(p.cmdline()) and p.status() not in (
+                    psutil.STATUS_ZOMBIE, psutil.STATUS_STOPPED):
                 found.append(p)
         except psutil.Error:
             continue
     return found
 
 
-def weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    return torch.load(run_dir / "ckpt" / "ckpt.pt", weights_only=True)["model"]
-
-
-def inject(kind: str, launcher: psutil.Process, rng: random.Random) -> dict[str, Any] | None:
-    ranks = ranks_of(launcher)
-    if len(ranks) < 2:
-        return None  # between cycles: try again later
+def signal_rank(kind: str, ranks: list[psutil.Process],
+                rng: random.Random) -> dict[str, Any] | None:
     victim = rng.choice(ranks)
+    t = time.time()
     try:
         victim.send_signal(signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
     except psutil.Error:
         return None
-    return {"t": time.time(), "kind": kind, "pid": victim.pid}
+    return {"t": t, "kind": kind, "pid": victim.pid}
 
 
-def soak(run_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
-    rng = random.Random(args.seed)
-    proc = launch(run_dir, args.steps, snapshots=True)
-    launcher = psutil.Process(proc.pid)
-    seen: set[int] = set()
-    rss: list[float] = []
-    faults: list[dict[str, Any]] = []
-    deadline = time.monotonic() + args.minutes * 60
-    next_fault = time.monotonic() + args.every * rng.uniform(0.5, 1.5)
-    while proc.poll() is None:
+class SingleJob:
+    """One launcher, 2 ranks: the rank faults."""
+
+    def __init__(self, base: Path, args: argparse.Namespace) -> None:
+        self.run_dir = base / "soak"
+        self.proc = launch(self.run_dir, args.steps, True, args.step_time,
+                           args.heartbeat_timeout)
+        self.launcher = psutil.Process(self.proc.pid)
+
+    def running(self) -> bool:
+        return self.proc.poll() is None
+
+    def launchers(self) -> dict[str, psutil.Process]:
+        return {"soak": self.launcher} if self.running() else {}
+
+    def state(self) -> JobState:
+        return JobState(ranks_running=len(ranks_of(self.launcher)), world_size=2,
+                        world_nodes=1, spares=0)
+
+    def inject(self, kind: str, rng: random.Random) -> dict[str, Any] | None:
+        return signal_rank(kind, ranks_of(self.launcher), rng)
+
+    def recover(self) -> dict[str, Any] | None:
+        return None
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def run_dirs(self) -> list[Path]:
+        return [self.run_dir]
+
+    def exit_codes(self) -> list[dict[str, Any]]:
+        return [{"node": "soak", "pid": self.proc.pid, "exit_code": self.proc.poll(),
+                 "killed_by_soak": False}]
+
+    def shm_left(self) -> list[str]:
+        events = read_events(self.run_dir)
+        return [e["path"] for e in events
+                if e["event"] == "snapshots_ready" and os.path.exists(e["path"])]
+
+    def weights_path(self) -> Path:
+        return self.run_dir / "ckpt" / "ckpt.pt"
+
+
+class NodesJob:
+    """Two launchers and a spare on loopback (soak_nodes.NodeCluster): every fault."""
+
+    def __init__(self, base: Path, args: argparse.Namespace) -> None:
+        self.base = base / "nodes"
+        self.cluster = NodeCluster(
+            self.base, train_args(args.steps, args.step_time, self.base / "ckpt"), args)
         try:
-            rss.append(launcher.memory_info().rss / 2**20)
+            self.cluster.start()
+        except BaseException:
+            self.cluster.close()
+            raise
+
+    def running(self) -> bool:
+        return self.cluster.running()
+
+    def launchers(self) -> dict[str, psutil.Process]:
+        out = {}
+        for n in self.cluster.live():
+            try:
+                out[f"{n.name}:{n.proc.pid}"] = psutil.Process(n.proc.pid)
+            except psutil.Error:
+                continue
+        return out
+
+    def state(self) -> JobState:
+        return self.cluster.state(TRAIN)
+
+    def inject(self, kind: str, rng: random.Random) -> dict[str, Any] | None:
+        world = self.cluster.world()
+        if kind in ("freeze", "node_kill"):
+            return self.cluster.inject_node(kind, rng.choice(world))
+        ranks = [p for n in world for p in self.cluster.ranks(n, TRAIN)]
+        return signal_rank(kind, ranks, rng)
+
+    def recover(self) -> dict[str, Any] | None:
+        return self.cluster.recover(TRAIN)
+
+    def close(self) -> None:
+        self.cluster.close()
+
+    def run_dirs(self) -> list[Path]:
+        return sorted({n.run_dir for n in self.cluster.nodes})
+
+    def exit_codes(self) -> list[dict[str, Any]]:
+        return self.cluster.exit_codes()
+
+    def shm_left(self) -> list[str]:
+        return self.cluster.shm_left()
+
+    def weights_path(self) -> Path:
+        return self.base / "ckpt" / "ckpt.pt"
+
+
+def soak(job: SingleJob | NodesJob, args: argparse.Namespace) -> dict[str, Any]:
+    """Inject faults until ``--minutes`` have passed, then wait for the job's end (bounded:
+    three times the planned duration and 10 minutes more)."""
+    rng = random.Random(args.seed)
+    seen: set[int] = set()
+    rss: dict[str, list[float]] = collections.defaultdict(list)
+    faults: list[dict[str, Any]] = []
+    recoveries: list[dict[str, Any]] = []
+    start = time.monotonic()
+    deadline, give_up = start + args.minutes * 60, start + args.minutes * 180 + 600
+    next_fault, kind = start + next_gap(rng, args.every), None
+    next_sample = start
+    while job.running() and time.monotonic() < give_up:
+        now = time.monotonic()
+        if now >= next_sample:
+            next_sample = now + SAMPLE_S
+            sample(job, seen, rss)
+        done = job.recover()
+        if done is not None:
+            recoveries.append(done)
+        if now >= next_fault and now < deadline:
+            kind = kind or choose(rng, args.faults)
+            if can_inject(kind, job.state(), args.nodes):
+                fault = job.inject(kind, rng)
+                if fault is not None:
+                    faults.append(fault)
+                    kind, next_fault = None, now + next_gap(rng, args.every)
+        time.sleep(POLL_S)
+    timed_out = job.running()
+    return {"faults": faults, "recoveries": recoveries, "pids": seen, "rss_mb": rss,
+            "timed_out": timed_out}
+
+
+def sample(job: SingleJob | NodesJob, seen: set[int], rss: dict[str, list[float]]) -> None:
+    for name, launcher in job.launchers().items():
+        try:
+            rss[name].append(round(launcher.memory_info().rss / 2**20, 1))
             seen.update(p.pid for p in launcher.children(recursive=True))
         except psutil.Error:
-            pass
-        now = time.monotonic()
-        if now >= next_fault and now < deadline:
-            fault = inject(rng.choice(args.faults), launcher, rng)
-            if fault is not None:
-                faults.append(fault)
-                next_fault = now + args.every * rng.uniform(0.5, 1.5)
-        time.sleep(2)
-    return {"exit_code": proc.returncode, "faults": faults, "pids": seen, "rss_mb": rss}
+            continue
 
 
-def leftovers(run_dir: Path, pids: set[int], events: list[dict[str, Any]]) -> dict[str, Any]:
+def read_events(run_dir: Path) -> list[dict[str, Any]]:
+    out = []
+    path = run_dir / "events.jsonl"
+    for line in path.open() if path.exists() else []:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+def lock_free(run_dir: Path) -> bool:
+    fd = os.open(run_dir / "launcher.lock", os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def processes_left(pids: set[int]) -> list[int]:
     alive = []
     for pid in pids:
         try:
@@ -118,67 +288,130 @@ def leftovers(run_dir: Path, pids: set[int], events: list[dict[str, Any]]) -> di
                 alive.append(pid)
         except psutil.Error:
             continue
-    shm = [e["path"] for e in events
-           if e["event"] == "snapshots_ready" and os.path.exists(e["path"])]
-    fd = os.open(run_dir / "launcher.lock", os.O_RDONLY)
+    return sorted(alive)
+
+
+def ledger(run_dir: Path) -> dict[str, Any]:
+    """The run directory's goodput ledger (``ft_report --json``), the figures that matter."""
+    res = subprocess.run([sys.executable, "-m", "ft_launcher.observe.report", "--json",
+                          str(run_dir)], capture_output=True, text=True, timeout=120)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        lock_free = True
-    except OSError:
-        lock_free = False
-    finally:
-        os.close(fd)
-    return {"processes_left": alive, "shm_left": shm, "lock_free": lock_free}
+        led = json.loads(res.stdout).get("ledger", {})
+    except ValueError:
+        return {"error": res.stderr[-500:]}
+    return {k: led.get(k) for k in ("goodput", "wall_s", "productive_s", "lost_by_cause_s")}
+
+
+def fault_costs(faults: list[dict[str, Any]], run_dirs: list[Path]) -> None:
+    """Adds to each fault ``recovery_s``: fault -> first step of every rank after it."""
+    firsts = [(float(e.get("at", e["ts"])), e["rank"]) for d in run_dirs
+              for e in read_events(d) if e["event"] == "first_step"]
+    for fault, cost in zip(faults, recovery_times([f["t"] for f in faults], firsts, 2),
+                           strict=True):
+        fault["recovery_s"] = None if cost is None else round(cost, 2)
+
+
+def report(job: SingleJob | NodesJob, run: dict[str, Any], ref: dict[str, Any],
+           args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
+    soak_w = torch.load(job.weights_path(), weights_only=True)["model"]
+    identical = ref["weights"].keys() == soak_w.keys() and all(
+        torch.equal(ref["weights"][k], soak_w[k]) for k in soak_w)
+    fault_costs(run["faults"], job.run_dirs())
+    by_kind = collections.Counter(f["kind"] for f in run["faults"])
+    costs = collections.defaultdict(list)
+    for f in run["faults"]:
+        if f["recovery_s"] is not None:
+            costs[f["kind"]].append(f["recovery_s"])
+    exits = job.exit_codes()
+    return {
+        "command": " ".join(["python", "scripts/snapshot_soak.py", *argv]),
+        "nodes": args.nodes, "steps": args.steps, "reference_exit_code": ref["exit_code"],
+        "reference_wall_s": ref["wall_s"], "wall_s": run["wall_s"],
+        "goodput_vs_reference": round(ref["wall_s"] / run["wall_s"], 4),
+        "faults_by_kind": dict(by_kind),
+        "recovery_s_by_kind": {k: {"median": sorted(v)[len(v) // 2], "max": max(v)}
+                               for k, v in costs.items()},
+        "faults": run["faults"], "recoveries": run["recoveries"],
+        "restores": [{k: e.get(k) for k in ("ts", "cycle", "rank", "iteration", "source")}
+                     for d in job.run_dirs() for e in read_events(d)
+                     if e["event"] == "snapshot_restored"],
+        "weights_bit_identical": identical,
+        "ledgers": {d.name: ledger(d) for d in job.run_dirs()},
+        "launcher_rss_mb": {name: {"first": v[0], "max": max(v), "last": v[-1]}
+                            for name, v in run["rss_mb"].items() if v},
+        "launchers": exits, "timed_out": run["timed_out"],
+        "processes_left": processes_left(run["pids"]), "shm_left": job.shm_left(),
+        "locks_free": {d.name: lock_free(d) for d in job.run_dirs()},
+    }
+
+
+def verdict(result: dict[str, Any]) -> bool:
+    return (result["weights_bit_identical"] and result["reference_exit_code"] == 0
+            and not result["timed_out"]
+            and all(e["exit_code"] == 0 for e in result["launchers"] if not e["killed_by_soak"])
+            and not result["processes_left"] and not result["shm_left"]
+            and all(result["locks_free"].values()))
+
+
+def reference(base: Path, steps: int, step_time: float) -> dict[str, Any]:
+    started = time.time()
+    proc = launch(base / "reference", steps, False, step_time)
+    proc.wait()
+    return {"exit_code": proc.returncode, "wall_s": round(time.time() - started, 1),
+            "weights": torch.load(base / "reference" / "ckpt" / "ckpt.pt", weights_only=True)
+            ["model"]}
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--minutes", type=float, default=30, help="how long faults are injected")
+    ap.add_argument("--every", type=float, default=30, help="mean seconds between faults")
+    ap.add_argument("--nodes", type=int, choices=(1, 2), default=1,
+                    help="1: one launcher, 2 ranks; 2: two launchers on loopback and a spare")
+    ap.add_argument("--step-time", type=float, default=0.05,
+                    help="seconds each step sleeps besides its compute (train_ddp.py)")
+    ap.add_argument("--rate", type=float, default=None,
+                    help="training steps per second, to size --steps [1 / (step time + "
+                         "20 ms): 2 ranks on 2 shared CPUs]")
+    ap.add_argument("--steps", type=int, default=0, help="training steps [--minutes x --rate]")
+    ap.add_argument("--faults", default=None,
+                    help="comma-separated, among kill, stop, freeze, node_kill [all that apply]")
+    ap.add_argument("--heartbeat-timeout", type=float, default=5.0,
+                    help="--ft-rank-heartbeat-timeout of the launchers (what a stop costs)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--keep", type=Path, default=None,
+                    help="keep the run directories under this directory [a temporary one]")
+    args = ap.parse_args(argv)
+    try:
+        args.faults = parse_faults(args.faults or default_faults(args.nodes), args.nodes)
+    except ValueError as exc:
+        ap.error(str(exc))
+    args.rate = args.rate or 1 / (args.step_time + 0.02)
+    args.steps = args.steps or int(args.minutes * 60 * args.rate)
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--minutes", type=float, default=30)
-    ap.add_argument("--every", type=float, default=30, help="mean seconds between faults")
-    ap.add_argument("--steps", type=int, default=0,
-                    help="training steps [enough for --minutes at about 8 steps/s]")
-    ap.add_argument("--faults", default="kill,stop")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=None)
-    args = ap.parse_args(argv)
-    args.faults = args.faults.split(",")
-    args.steps = args.steps or int(args.minutes * 60 * 8)
-    with tempfile.TemporaryDirectory(prefix="ft-soak-") as tmp:
-        ref_dir, soak_dir = Path(tmp) / "reference", Path(tmp) / "soak"
-        ref = launch(ref_dir, args.steps, snapshots=False)
-        ref.wait()
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse(argv)
+    with tempfile.TemporaryDirectory(prefix="ft-soak-") as tmp_dir:
+        base = args.keep or Path(tmp_dir)
+        ref = reference(base, args.steps, args.step_time)
         started = time.time()
-        run = soak(soak_dir, args)
-        wall = time.time() - started
-        ref_w, soak_w = weights(ref_dir), weights(soak_dir)
-        identical = ref_w.keys() == soak_w.keys() and all(
-            torch.equal(ref_w[k], soak_w[k]) for k in ref_w)
-        ledger = json.loads(subprocess.run(
-            [sys.executable, "-m", "ft_launcher.observe.report", "--json", str(soak_dir)],
-            check=True, capture_output=True, text=True).stdout).get("ledger", {})
-        events = [json.loads(line) for line in (soak_dir / "events.jsonl").open()]
-        left = leftovers(soak_dir, run["pids"], events)
-    rss = run["rss_mb"]
-    result = {
-        "command": " ".join(["python", "scripts/snapshot_soak.py",
-                             *(argv if argv is not None else sys.argv[1:])]),
-        "reference_exit_code": ref.returncode, "exit_code": run["exit_code"],
-        "wall_s": round(wall, 1), "steps": args.steps, "faults": run["faults"],
-        "restores": [e for e in events if e["event"] == "snapshot_restored"],
-        "weights_bit_identical": identical,
-        "goodput": ledger.get("goodput"), "lost_by_cause_s": ledger.get("lost_by_cause_s"),
-        "launcher_rss_mb": {"first": rss[0] if rss else None, "max": max(rss, default=None),
-                            "last": rss[-1] if rss else None},
-        **left,
-    }
-    ok = (identical and run["exit_code"] == 0 and ref.returncode == 0
-          and not left["processes_left"] and not left["shm_left"] and left["lock_free"])
-    result["ok"] = ok
+        job = SingleJob(base, args) if args.nodes == 1 else NodesJob(base, args)
+        try:
+            run = soak(job, args)
+        finally:
+            job.close()
+        run["wall_s"] = round(time.time() - started, 1)
+        result = report(job, run, ref, args, argv)
+    result["ok"] = verdict(result)
     text = json.dumps(result, indent=1, default=str)
     if args.out:
         args.out.write_text(text + "\n")
     print(text)
-    return 0 if ok else 1
+    return 0 if result["ok"] else 1
 
 
 if __name__ == "__main__":

@@ -314,6 +314,25 @@ def test_service_refused_area_turns_snapshots_off(tmp_path):
     assert job.area.path.exists()  # not ours to remove
 
 
+def test_a_launcher_that_never_made_its_area_removes_its_predecessors_at_close(tmp_path):
+    """A spare never admitted makes no area; the one a SIGKILLed launcher of the same run
+    directory left must still go when it exits (the two-node soak found it in /dev/shm)."""
+    killed, _ = service(tmp_path)
+    killed.begin_cycle([0], 1)
+    write(killed, 0, [1])  # SIGKILLed now: no close()
+    spare, evs = service(tmp_path)
+    spare.close()
+    assert not spare.area.path.exists() and evs == []
+    again, _ = service(tmp_path)
+    again.area.path.mkdir(mode=0o755)
+    os.chmod(again.area.path, 0o755)
+    again.close()
+    assert again.area.path.exists()  # not a private directory: not ours to remove
+    off = JobSnapshots(SnapshotOptions(None, None), "run", tmp_path / "run", tmp_path / "ipc",
+                       lambda name, **f: None, 1, shm=tmp_path / "shm")
+    off.close()
+    assert again.area.path.exists()  # snapshots off: it touches nothing
+
 def test_service_rank_reports_become_events(tmp_path):
     job, evs = service(tmp_path)
     job.on_report(1, json.dumps({"kind": "restored", "iteration": 4, "source": "local",
@@ -420,6 +439,47 @@ def test_ledger_counts_work_lost_from_the_restored_snapshot():
     d0 = without["attempts"][0]["cycles"][0]
     assert (d0["checkpoint_step"], d0["checkpoint_source"]) == (50, "checkpoint")
     assert d0["work_lost_steps"] == 70 and d0["work_lost_s"] == pytest.approx(4.5)
+
+
+def test_ledger_counts_a_hangs_restored_snapshot_reported_after_the_last_heartbeat():
+    """A hung rank's fault is placed at its last heartbeat, which a step sends just before
+    it reports its progress: the restored step's time then trails the fault by a hair, and
+    the snapshot must still count (it did not: the whole cycle was charged as lost)."""
+    from ft_launcher.observe.ledger import ledger_of
+
+    t0 = 1_800_000_000.0
+
+    def rec(t, event, cycle, **fields):
+        return {"ts": t0 + t, "event": event, "cycle": cycle, **fields}
+
+    records = [
+        rec(0, "launcher_started", 0), rec(0.5, "rendezvous_done", 0),
+        rec(1, "workers_started", 0, ranks=[0, 1]),
+        rec(3, "first_step", 0, rank=0, iteration=1),
+        rec(3, "first_step", 0, rank=1, iteration=1),
+        # rank 0's heartbeat of step 428 at 30.0, its progress report 1 ms later; frozen
+        rec(35, "hang_detected", 0, rank=0, timeout_kind="heartbeat", silence_s=5.0,
+            detected_at=t0 + 35.0),
+        rec(35.05, "worker_exited", 0, rank=0, exit_code=None, signal="SIGKILL",
+            stopped_by_launcher=True),
+        rec(35.05, "last_progress", 0, rank=0, iteration=428, at=t0 + 30.001),
+        rec(35.05, "last_progress", 0, rank=1, iteration=429, at=t0 + 30.05),
+        rec(35.1, "decision", 0, outcome="hung", restart=True, reason="rank 0 hung"),
+        rec(35.1, "restart", 1, restarts=1, reason="rank 0 hung"),
+        rec(35.1, "rendezvous_done", 1),
+        rec(35.1, "snapshot_picked", 1, iteration=428, reason="r"),
+        rec(35.1, "workers_started", 1, ranks=[0, 1]),
+        rec(35.3, "first_step", 1, rank=0, iteration=429),
+        rec(35.3, "first_step", 1, rank=1, iteration=429),
+        rec(60, "last_progress", 1, rank=0, iteration=800, at=t0 + 59.9),
+        rec(60, "decision", 1, outcome="succeeded", restart=False, reason="done"),
+        rec(60.1, "launcher_exited", 1, exit_code=0, reason="done"),
+    ]
+    c0 = ledger_of(records).summary()["attempts"][0]["cycles"][0]
+    assert (c0["checkpoint_step"], c0["checkpoint_source"]) == (428, "snapshot")
+    assert c0["work_lost_s"] == 0.0 and c0["work_lost_steps"] == 1
+    assert c0["productive_s"] == pytest.approx(27.0)
+    assert not c0["no_progress"]
 
 
 def test_the_launcher_and_import_ft_agent_stay_without_torch():

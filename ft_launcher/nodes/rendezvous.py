@@ -441,6 +441,28 @@ def out_of_round(state: Any, node: Any, round_no: int | None, dead_after: float,
     return None
 
 
+def is_spare(state: Any, node: Any, max_nodes: int) -> bool:
+    """``node`` waits as a hot spare: on the redundancy list, or on a full wait list."""
+    return node in state.redundancy_list or on_full_wait_list(state, node, max_nodes)
+
+
+def waiting_to_join(state: Any, max_nodes: int) -> int:
+    """Nodes that wait for a place a restart would give them (not the spares)."""
+    return sum(not on_full_wait_list(state, n, max_nodes) for n in state.wait_list)
+
+
+def on_full_wait_list(state: Any, node: Any, max_nodes: int) -> bool:
+    """``node`` is on the wait list of a complete round that has its maximum size: a spare.
+    torch puts a node on the redundancy list only if it is not on the wait list already,
+    and a node joins the wait list whenever it re-joins while its round is short (its peer
+    has not left yet, or was lost). When that node then loses the race for a place in the
+    next round, it stays on the wait list of a full round: counted as waiting, it would make
+    the round's nodes restart, the same race would leave one node out again, and so on (a
+    restart storm)."""
+    return bool(state.complete and node in state.wait_list
+                and len(state.participants) >= max_nodes)
+
+
 def _closed(endpoint: str, spare: bool, dropped: bool) -> RendezvousClosed:
     """The job's rendezvous was closed by the other nodes; a dropped node ends as a spare."""
     why = ("; this node was dropped from its round and not needed again" if dropped
@@ -550,11 +572,10 @@ class DynamicRendezvous:
             log.exception("rendezvous: cannot record %s", name)
 
     def _observe(self, state: Any) -> None:
-        """Called with every state read. While this node waits for a round, being on the
-        redundancy list means the round is full and this node is a hot spare."""
+        """Called with every state read: while it waits for a round, is this node a spare?"""
         if not self._in_round or self._spare_since is not None:
             return
-        if self._node in state.redundancy_list:
+        if is_spare(state, self._node, self.max_nodes):
             self._spare_since = time.monotonic()
             self._emit("spare_waiting", round=state.round, participants=len(state.participants),
                        max_nodes=self.max_nodes)
@@ -595,6 +616,8 @@ class DynamicRendezvous:
             log.warning("rendezvous: %s: %s at %s did not answer (%s); retrying", what,
                         self.backend, self.endpoint, type(exc).__name__)
             return None
+        if isinstance(exc, api.RendezvousTimeoutError) and self._spare_since is not None:
+            return None  # a spare on a full wait list has a join timeout: it re-joins
         if isinstance(exc, api.RendezvousTimeoutError):
             return RendezvousError(f"no round formed at {self.endpoint} within join_timeout "
                                    f"{self.timings.join_timeout:g} s")
@@ -670,7 +693,7 @@ class DynamicRendezvous:
         dropped = out_of_round(state, self._node, self._round_no, self.timings.dead_after)
         lost = () if dropped or state.round != self._round_no else tuple(
             sorted(str(n) for n in self._members - set(state.participants)))
-        return RoundView(len(state.wait_list), lost, dropped)
+        return RoundView(waiting_to_join(state, self.max_nodes), lost, dropped)
 
     def standing(self, stalled_s: float) -> Standing:
         """Whether this node is still in the round it joined, after it was not running for

@@ -97,6 +97,7 @@ class _Cut:
     torn_down: float
     work_lost: float
     checkpoint: tuple[float, int] | None
+    from_snapshot: bool = False  # the checkpoint is the snapshot the next cycle restored
 
     def phases(self, start: float) -> dict[str, float]:
         return {
@@ -158,8 +159,13 @@ def _cut(c: _Cycle, end: float, detected: float | None, fault_ts: float | None,
                        else train_ts, t_rdzv)
     t_stop = clip(stop_training if stop_training is not None else end, t_train)
     ckpt = _last_checkpoint(c, t_stop)
-    if snapshot is not None and snapshot[0] <= t_stop and (ckpt is None or snapshot[1] > ckpt[1]):
-        ckpt = snapshot  # the next cycle resumed from it: only what came after is lost
+    from_snapshot = snapshot is not None and (ckpt is None or snapshot[1] > ckpt[1])
+    if from_snapshot:
+        # The next cycle resumed from it, so every rank had that step before the fault:
+        # only what came after is lost. Its time (interpolated from the ranks' reports)
+        # can trail a hang's estimated fault, the last heartbeat, which a step sends just
+        # before it reports its progress: it is clipped, never a reason to ignore it.
+        ckpt = (min(snapshot[0], t_stop), snapshot[1])
     work_lost = 0.0
     # Without any step or checkpoint reported, what was kept is unknown: the training
     # counts as productive (the summary says so with progress_reported false).
@@ -168,7 +174,8 @@ def _cut(c: _Cycle, end: float, detected: float | None, fault_ts: float | None,
         work_lost = max(0.0, t_stop - since)
     t_detect = clip(detected, t_stop) if failed else t_stop
     t_teardown = clip(c.last_exit, t_detect) if failed else t_detect
-    return _Cut(end, t_rdzv, t_train, t_stop, t_detect, t_teardown, work_lost, ckpt)
+    return _Cut(end, t_rdzv, t_train, t_stop, t_detect, t_teardown, work_lost, ckpt,
+                from_snapshot)
 
 
 def _steps_lost(failed: bool, first_it: int | None, last_it: int | None,
@@ -233,7 +240,7 @@ def summarize_cycle(c: _Cycle, nxt: _Cycle | None, attempt_end: float, first: bo
         marks=CycleMarks(c.rendezvous_done, c.workers_started, train_ts, cut.stop,
                          cut.detected, cut.torn_down, end),
         checkpoint_source=None if cut.checkpoint is None else
-        "snapshot" if cut.checkpoint == kept else "checkpoint",
+        "snapshot" if cut.from_snapshot else "checkpoint",
     )
 
 

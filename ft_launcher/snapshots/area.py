@@ -78,6 +78,18 @@ class Area:
         """Remove the directory and everything in it; never raises."""
         shutil.rmtree(self.path, ignore_errors=True)
 
+    def remove_stale(self) -> bool:
+        """Remove a leftover of this job that this launcher never made (its predecessor's,
+        SIGKILLed) when it is this user's private directory; whether one went. Never
+        raises."""
+        try:
+            check_leftover(self.path, os.lstat(self.path))
+        except (AreaRefused, OSError):
+            return False
+        self.remove()
+        log.warning("removed a stale snapshot directory of this job: %s", self.path)
+        return True
+
 
 def check_leftover(path: Path, st: os.stat_result) -> None:
     """Refuse a leftover that is not a real 0700 directory of this user."""

@@ -132,6 +132,11 @@ class JobSnapshots:
             self.replication = None
         if self.state == "ready":
             self.area.remove()
+        elif self.state == "new" and self.enabled:
+            # Never made: a spare that was not needed. The area of a launcher of this run
+            # directory that was SIGKILLed before it is still there, and nobody else would
+            # remove it (the run directory's lock says no other launcher uses it).
+            self.area.remove_stale()
         self.state = "closed"
 
     # -- a cycle -----------------------------------------------------------------------
