@@ -6,6 +6,7 @@ missing) where the tests run as root, and are skipped with a reason otherwise.""
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import pwd
@@ -236,7 +237,10 @@ def test_a_long_run_dir_in_a_long_tmpdir(run_dir: Path):
                                       "exit_code", "0"),
                          capture_output=True, text=True, cwd=ROOT, timeout=90, env=env)
     assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr[-2000:]
-    assert [p.name for p in deep.iterdir()] == ["run"]  # nothing left in TMPDIR
+    # Nothing of the launcher's left in TMPDIR. The zygote's import of torch._dynamo (a
+    # default preload) makes torch's own inductor cache there, as any DDP worker's does.
+    left = {p.name for p in deep.iterdir()} - {f"torchinductor_{getpass.getuser()}"}
+    assert left == {"run"}
 
 
 # -- writes never end the job -----------------------------------------------------------------

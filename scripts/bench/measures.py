@@ -709,8 +709,9 @@ def hang_restart(ctx: Context, launcher: str, tag: str, after_s: float = 2.0) ->
 
 def standby_memory(ctx: Context, launcher: str, tag: str) -> Result:
     """PSS of every standby process (the zygote and its forks, or spawned standbys) with
-    ``footprint_ranks`` local ranks, against one interpreter that imported the same
-    preloads, measured in the same run (so it shares the same libraries' pages)."""
+    ``footprint_ranks`` local ranks, and of those plus the launcher itself, against one
+    interpreter that imported the same preloads, measured in the same run (so it shares the
+    same libraries' pages)."""
     s = ctx.settings
     n = s.footprint_ranks
     ft = FtEvents(run_dir_events(ctx, tag))
@@ -733,9 +734,13 @@ def standby_memory(ctx: Context, launcher: str, tag: str) -> Result:
             time.sleep(0.5)
             _, ref_pss = _memory([reference])
             rss, pss = _memory(procs)
+            assert run.proc is not None
+            _, launcher_pss = _memory([psutil.Process(run.proc.pid)])
         finally:
             reference.kill()
             reference.wait()
     return {"standbys_pss_mb": round(pss / 2**20, 1), "standbys_rss_mb": round(rss / 2**20, 1),
             "one_interpreter_pss_mb": round(ref_pss / 2**20, 1),
-            "ratio_to_one": round(pss / ref_pss, 2), "processes": len(procs)}
+            "ratio_to_one": round(pss / ref_pss, 2), "processes": len(procs),
+            "launcher_pss_mb": round(launcher_pss / 2**20, 1),
+            "with_launcher_ratio_to_one": round((pss + launcher_pss) / ref_pss, 2)}

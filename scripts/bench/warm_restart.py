@@ -15,8 +15,9 @@ before warm restart became the default name the cold launcher ours):
 - hang: SIGSTOP of rank 1 2 s after every rank's first step; the hang verdict (at the
   heartbeat timeout) -> first step of every rank of the next cycle;
 - clean: the fault-free training of the main benchmark (wall time, start-up);
-- memory: PSS of all standby processes (zygote + forks) with 8 local ranks, against one
-  interpreter that imported the same preloads, in the same run (ours-warm only).
+- memory: PSS of all standby processes (zygote + forks), and of those plus the launcher,
+  with 8 local ranks, against one interpreter that imported the same preloads, in the same
+  run (ours, the defaults, only).
 
 Runs of one measure alternate between the launchers; medians are printed and everything
 goes to ``--out`` as JSON. Every process started is ended by pid.
@@ -62,11 +63,14 @@ def main(argv: list[str] | None = None) -> int:
     settings = Settings(warm_preload=args.preload)
     ctx = Context(Launchers.default(), settings, Path(tempfile.mkdtemp(prefix="ftw-")))
     pair = tuple(x for x in (COLD, "ours", STORE, WARM) if x in args.launchers.split(","))
-    doc: dict[str, Any] = {"machine": machine_info(), "started": time.time(), "runs": {}}
+    command = " ".join(["python scripts/bench/warm_restart.py",
+                        *(sys.argv[1:] if argv is None else argv)])
+    doc: dict[str, Any] = {"machine": machine_info(), "started": time.time(),
+                           "command": command, "runs": {}}
     plan = [("crash2", measures.crash_twice, pair),
             ("hang", measures.hang_restart, pair),
             ("clean", measures.clean, pair),
-            ("memory", measures.standby_memory, (WARM,))]
+            ("memory", measures.standby_memory, ("ours",))]
     try:
         for name, func, launchers in plan:
             if name not in only:

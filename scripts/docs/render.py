@@ -196,6 +196,7 @@ BENCH_RUNS = [  # (file, section title); files written by scripts/bench/bench.py
     ("results.json", "Full run of every measure"),
     ("crash_defaults.json", "Crash recovery with the defaults (warm restart on) and with it off"),
     ("verdict.json", "Hang verdict past the timeout, from the last heartbeat call"),
+    ("defaults_side.json", "Crash recovery and start-up with the defaults, side by side"),
 ]
 
 WARM_KEYS = {
@@ -212,6 +213,8 @@ WARM_KEYS = {
     "one_interpreter_pss_mb": "one interpreter with the same preloads, PSS (MB)",
     "ratio_to_one": "standbys' PSS ÷ one interpreter's",
     "processes": "processes measured",
+    "launcher_pss_mb": "the launcher itself, PSS (MB)",
+    "with_launcher_ratio_to_one": "launcher + zygote + standbys, PSS ÷ one interpreter's",
 }
 
 
@@ -227,16 +230,18 @@ def _machine_line(m: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
-def _warm_table(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> list[str]:
-    lines = ["| measure | figure | ours (cold) | ours-warm | cold ÷ warm, per pair |",
+def _warm_table(runs: dict[str, dict[str, list[dict[str, Any]]]],
+                warm_name: str = "ours-warm") -> list[str]:
+    lines = [f"| measure | figure | ours (cold) | {warm_name} | cold ÷ warm, per pair |",
              "|---|---|---|---|---|"]
     for measure, per in runs.items():
         keys = sorted({k for rs in per.values() for r in rs for k, v in r.items()
                        if isinstance(v, (int, float)) and not isinstance(v, bool)})
         for key in keys:
             # the cold launcher: ours-cold, or ours in files written while cold was the default
-            cold = [r.get(key) for r in per.get("ours-cold", per.get("ours", []))]
-            warm = [r.get(key) for r in per.get("ours-warm", [])]
+            older = per.get("ours", []) if warm_name != "ours" else []
+            cold = [r.get(key) for r in per.get("ours-cold", older)]
+            warm = [r.get(key) for r in per.get(warm_name, [])]
             # cold ÷ warm of the same repeat
             pairs = [a / b for a, b in zip(cold, warm, strict=False)
                      if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b > 0]
@@ -273,6 +278,14 @@ def _warm_sections() -> list[str]:
             f"- machine: {_machine_line(clean['runs'][0]['machine'])}",
             "- the runs' clean pairs together:", ""]
     out += _warm_table(merged)
+    defaults = _load("warm_defaults.json")
+    out += ["", "### `warm_defaults.json`: the defaults against `--no-ft-warm-restart`", "",
+            f"- date: {_utc(defaults['started'])}",
+            f"- machine: {_machine_line(defaults['machine'])}",
+            f"- command: `{defaults['command']}`",
+            f"- processes left after the run: {len(defaults['leftovers'])}",
+            "- ours = the defaults (warm restart on); memory: 8 local ranks, ours only", ""]
+    out += _warm_table(defaults["runs"], warm_name="ours")
     return out + [""]
 
 
