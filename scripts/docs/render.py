@@ -316,6 +316,13 @@ def _nodeloss_table(doc: dict[str, Any]) -> list[str]:
     return lines
 
 
+NODELOSS_RUNS = [  # (file, which ours it measured)
+    ("nodeloss-defaults.json", "its defaults (warm restart on)"),
+    ("nodeloss.json", "warm restart off (then the default)"),
+    ("nodeloss-ours-c.json", "warm restart off (then the default)"),
+]
+
+
 def _nodeloss_sections() -> list[str]:
     out = ["## Node loss against torchrun", "",
            "Written by `scripts/bench/nodeloss.py`: two launchers on loopback, one rank each, "
@@ -323,10 +330,10 @@ def _nodeloss_sections() -> list[str]:
            "same worker (`scripts/bench/node_step_worker.py`) under both; the driver kills or "
            "freezes a node once the world trains and times loss → first step of the new "
            "world. A trial succeeds when that happens within the bound.", ""]
-    for name in ("nodeloss.json", "nodeloss-ours-c.json"):
+    for name, ours in NODELOSS_RUNS:
         doc = _load(name)
         st, m = doc["settings"], doc["machine"]
-        out += [f"### `{name}`", "",
+        out += [f"### `{name}`", "", f"- ours: {ours}",
                 f"- date: {doc['date']}",
                 f"- machine: {m['cpus']} CPUs, {m['memory_gib']} GiB; Python {m['python']}, "
                 f"torch {m['torch']}",
