@@ -104,10 +104,14 @@ class Cluster:
 
     def start_host_first(self, names: list[str], timeout: float) -> None:
         """The first node hosts the store; the others start once it listens."""
-        self.start(names[0], is_host=True)
-        if not self.wait(lambda: listening(self.port), timeout):
-            raise TimeoutError(f"{names[0]} did not open the store on {self.port} "
-                               f"within {timeout:.0f} s")
+        host = self.start(names[0], is_host=True)
+        exited = lambda: host.proc is not None and host.proc.poll() is not None  # noqa: E731
+        if not self.wait(lambda: listening(self.port) or exited(), timeout) or exited():
+            code = host.proc.poll() if host.proc is not None else None
+            tail = host.log_path.read_text(errors="replace")[-600:] \
+                if host.log_path.exists() else ""
+            raise TimeoutError(f"{names[0]} did not open the store on {self.port} within "
+                               f"{timeout:.0f} s (exit code {code}); its log ends: {tail!r}")
         for name in names[1:]:
             self.start(name)
 
