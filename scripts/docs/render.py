@@ -197,6 +197,7 @@ BENCH_RUNS = [  # (file, section title); files written by scripts/bench/bench.py
     ("crash_defaults.json", "Crash recovery with the defaults (warm restart on) and with it off"),
     ("verdict.json", "Hang verdict past the timeout, from the last heartbeat call"),
     ("defaults_side.json", "Crash recovery and start-up with the defaults, side by side"),
+    ("defaults_side_quiet.json", "Crash recovery with the defaults, side by side, quiet machine"),
 ]
 
 WARM_KEYS = {
