@@ -63,7 +63,7 @@ from soak_faults import (
     parse_faults,
     recovery_times,
 )
-from soak_nodes import NodeCluster
+from soak_nodes import NodeCluster, ranks_of
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "examples" / "train_ddp.py"
@@ -89,20 +89,6 @@ def launch(run_dir: Path, steps: int, snapshots: bool, step_time: float,
     log = open(run_dir.parent / f"{run_dir.name}.out", "w")  # noqa: SIM115 - the child's
     return subprocess.Popen([*LAUNCHER, *flags, *train_args(steps, step_time)], stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def ranks_of(launcher: psutil.Process) -> list[psutil.Process]:
-    """The launcher's training processes that run (a warm worker's command line is the
-    cold one's; a stopped one is a fault already injected)."""
-    found = []
-    for p in launcher.children(recursive=True):
-        try:
-            if str(TRAIN) in " ".join(p.cmdline()) and p.status() not in (
-                    psutil.STATUS_ZOMBIE, psutil.STATUS_STOPPED):
-                found.append(p)
-        except psutil.Error:
-            continue
-    return found
 
 
 def signal_rank(kind: str, ranks: list[psutil.Process],
@@ -132,11 +118,11 @@ class SingleJob:
         return {"soak": self.launcher} if self.running() else {}
 
     def state(self) -> JobState:
-        return JobState(ranks_running=len(ranks_of(self.launcher)), world_size=2,
+        return JobState(ranks_running=len(ranks_of(self.launcher, TRAIN)), world_size=2,
                         world_nodes=1, spares=0)
 
     def inject(self, kind: str, rng: random.Random) -> dict[str, Any] | None:
-        return signal_rank(kind, ranks_of(self.launcher), rng)
+        return signal_rank(kind, ranks_of(self.launcher, TRAIN), rng)
 
     def recover(self) -> dict[str, Any] | None:
         return None

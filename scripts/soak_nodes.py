@@ -72,6 +72,20 @@ class EventTail:
         return self.records
 
 
+def ranks_of(launcher: psutil.Process, train: Path) -> list[psutil.Process]:
+    """The launcher's processes that run ``train`` (a warm worker's command line is the
+    cold one's; a stopped one is a fault already injected)."""
+    found = []
+    for p in launcher.children(recursive=True):
+        try:
+            if str(train) in " ".join(p.cmdline()) and p.status() not in (
+                    psutil.STATUS_ZOMBIE, psutil.STATUS_STOPPED):
+                found.append(p)
+        except psutil.Error:
+            continue
+    return found
+
+
 @dataclass
 class Node:
     """One launcher (a node); a node restarted after a SIGKILL keeps its name and run dir."""
@@ -171,19 +185,10 @@ class NodeCluster:
     # -- what the job looks like now -----------------------------------------------------
 
     def ranks(self, node: Node, train: Path) -> list[psutil.Process]:
-        found = []
         try:
-            below = psutil.Process(node.proc.pid).children(recursive=True)
+            return ranks_of(psutil.Process(node.proc.pid), train)
         except psutil.Error:
             return []
-        for p in below:
-            try:
-                if str(train) in " ".join(p.cmdline()) and p.status() not in (
-                        psutil.STATUS_ZOMBIE, psutil.STATUS_STOPPED):
-                    found.append(p)
-            except psutil.Error:
-                continue
-        return found
 
     def world(self) -> list[Node]:
         return [n for n in self.live() if not n.frozen and n.role() == "world"]

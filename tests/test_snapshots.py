@@ -397,15 +397,18 @@ def test_lightning_state_round_trips_through_a_snapshot(tmp_path):
 
 # -- the goodput ledger: a restored snapshot is where the lost work starts ----------------
 
+T0 = 1_800_000_000.0
+
+
+def rec(t: float, event: str, cycle: int, **fields) -> dict:
+    """An events.jsonl record ``t`` seconds after T0."""
+    return {"ts": T0 + t, "event": event, "cycle": cycle, **fields}
+
+
 
 def test_ledger_counts_work_lost_from_the_restored_snapshot():
     from ft_launcher.observe.ledger import ledger_of
     from ft_launcher.observe.report import resume_lines
-
-    t0 = 1_800_000_000.0
-
-    def rec(t, event, cycle, **fields):
-        return {"ts": t0 + t, "event": event, "cycle": cycle, **fields}
 
     def run(restored: int | None) -> dict:
         records = [
@@ -414,18 +417,18 @@ def test_ledger_counts_work_lost_from_the_restored_snapshot():
             rec(3, "first_step", 0, rank=0, iteration=1),
             rec(3, "first_step", 0, rank=1, iteration=1),
             rec(8, "checkpoint_saved", 0, rank=0, iteration=50),
-            rec(12.5, "fault_injected", 0, rank=1, fault_type="rank_killed", at=t0 + 12.5),
+            rec(12.5, "fault_injected", 0, rank=1, fault_type="rank_killed", at=T0 + 12.5),
             rec(12.6, "worker_exited", 0, rank=1, exit_code=None, signal="SIGKILL",
                 stopped_by_launcher=False),
-            rec(13, "last_progress", 0, rank=0, iteration=120, at=t0 + 12.45),
-            rec(13, "last_progress", 0, rank=1, iteration=119, at=t0 + 12.4),
+            rec(13, "last_progress", 0, rank=0, iteration=120, at=T0 + 12.45),
+            rec(13, "last_progress", 0, rank=1, iteration=119, at=T0 + 12.4),
             rec(13.1, "decision", 0, outcome="failed", restart=True, reason="rank 1 failed"),
             rec(13.2, "restart", 1, restarts=1, reason="rank 1 failed"),
             rec(13.7, "rendezvous_done", 1),
             rec(13.8, "snapshot_picked", 1, iteration=restored, reason="r"),
             rec(14, "workers_started", 1, ranks=[0, 1]),
             rec(16, "first_step", 1, rank=0, iteration=(restored or 50) + 1),
-            rec(24, "last_progress", 1, rank=0, iteration=200, at=t0 + 23.5),
+            rec(24, "last_progress", 1, rank=0, iteration=200, at=T0 + 23.5),
             rec(24.5, "decision", 1, outcome="succeeded", restart=False, reason="done"),
             rec(25, "launcher_exited", 1, exit_code=0, reason="done"),
         ]
@@ -447,11 +450,6 @@ def test_ledger_counts_a_hangs_restored_snapshot_reported_after_the_last_heartbe
     the snapshot must still count (it did not: the whole cycle was charged as lost)."""
     from ft_launcher.observe.ledger import ledger_of
 
-    t0 = 1_800_000_000.0
-
-    def rec(t, event, cycle, **fields):
-        return {"ts": t0 + t, "event": event, "cycle": cycle, **fields}
-
     records = [
         rec(0, "launcher_started", 0), rec(0.5, "rendezvous_done", 0),
         rec(1, "workers_started", 0, ranks=[0, 1]),
@@ -459,11 +457,11 @@ def test_ledger_counts_a_hangs_restored_snapshot_reported_after_the_last_heartbe
         rec(3, "first_step", 0, rank=1, iteration=1),
         # rank 0's heartbeat of step 428 at 30.0, its progress report 1 ms later; frozen
         rec(35, "hang_detected", 0, rank=0, timeout_kind="heartbeat", silence_s=5.0,
-            detected_at=t0 + 35.0),
+            detected_at=T0 + 35.0),
         rec(35.05, "worker_exited", 0, rank=0, exit_code=None, signal="SIGKILL",
             stopped_by_launcher=True),
-        rec(35.05, "last_progress", 0, rank=0, iteration=428, at=t0 + 30.001),
-        rec(35.05, "last_progress", 0, rank=1, iteration=429, at=t0 + 30.05),
+        rec(35.05, "last_progress", 0, rank=0, iteration=428, at=T0 + 30.001),
+        rec(35.05, "last_progress", 0, rank=1, iteration=429, at=T0 + 30.05),
         rec(35.1, "decision", 0, outcome="hung", restart=True, reason="rank 0 hung"),
         rec(35.1, "restart", 1, restarts=1, reason="rank 0 hung"),
         rec(35.1, "rendezvous_done", 1),
@@ -471,7 +469,7 @@ def test_ledger_counts_a_hangs_restored_snapshot_reported_after_the_last_heartbe
         rec(35.1, "workers_started", 1, ranks=[0, 1]),
         rec(35.3, "first_step", 1, rank=0, iteration=429),
         rec(35.3, "first_step", 1, rank=1, iteration=429),
-        rec(60, "last_progress", 1, rank=0, iteration=800, at=t0 + 59.9),
+        rec(60, "last_progress", 1, rank=0, iteration=800, at=T0 + 59.9),
         rec(60, "decision", 1, outcome="succeeded", restart=False, reason="done"),
         rec(60.1, "launcher_exited", 1, exit_code=0, reason="done"),
     ]

@@ -258,7 +258,7 @@ class FakeStandbys:
     def take_store(self) -> None:
         return None
 
-    def take(self, spec: WorkerSpec, sink: Any = None) -> None:
+    def take(self, spec: WorkerSpec, sink: Any) -> None:
         return None
 
     def cycle_started(self) -> None:

@@ -534,7 +534,7 @@ def test_a_full_pool_costs_no_wake_up_and_a_standbys_news_wakes_the_loop(tmp_pat
     import threading
 
     from ft_launcher.config import FaultToleranceConfig, LaunchConfig
-    from ft_launcher.process.workers import WorkerSpec
+    from ft_launcher.process.workers import WorkerGroup, WorkerSpec
     from ft_launcher.warm.standby_pool import REFILL_DELAY_S, StandbyPool
 
     script = tmp_path / "train.py"
@@ -554,7 +554,7 @@ def test_a_full_pool_costs_no_wake_up_and_a_standbys_news_wakes_the_loop(tmp_pat
         assert woken.is_set() and pool.tick_due(100.0) is None
         spec = WorkerSpec(0, 0, cfg.entrypoint, dict(os.environ), tmp_path / "rank_0.log",
                           False)
-        worker = pool.take(spec)
+        worker = pool.take(spec, WorkerGroup().sink)
         assert worker is not None and worker.warm
         pool.cycle_started()
         assert pool.tick_due(100.2) == 100.0 + REFILL_DELAY_S

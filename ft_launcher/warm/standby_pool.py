@@ -84,7 +84,7 @@ from pathlib import Path
 from typing import Any
 
 from ft_launcher.config import LaunchConfig
-from ft_launcher.process.output import Sink, open_log
+from ft_launcher.process.output import Sink
 from ft_launcher.process.workers import Worker, WorkerSpec
 from ft_launcher.warm.standby_process import (
     ChildProcess,
@@ -151,8 +151,7 @@ class StandbyPool:
 
     # -- the supervisor's calls ----------------------------------------------------------
 
-    def take(self, spec: WorkerSpec,
-             sink: Callable[[WorkerSpec], Sink] | None = None) -> Worker | None:
+    def take(self, spec: WorkerSpec, sink: Callable[[WorkerSpec], Sink]) -> Worker | None:
         """Activate the ready standby of ``spec.local_rank`` as this cycle's worker, its output
         to ``sink(spec)`` (``WorkerGroup.sink``: log, echo, drops reported as a cold worker's);
         ``tick`` forks its replacement once the new cycle trains."""
@@ -171,7 +170,7 @@ class StandbyPool:
         if not sb.reported:
             self._report_ready(sb)
         record = encode_record(os.getcwd(), entry, spec.argv[n:], spec.env)
-        sb.cycle_sink = sink(spec) if sink is not None else plain_sink(spec)
+        sb.cycle_sink = sink(spec)
         try:
             sb.stdin.write(record)
             sb.stdin.close()
@@ -452,12 +451,6 @@ def next_tick(wants: TickWants, now: float, cycle_start: float,
         return None
     first = min(due)
     return first if first > now else now + interval
-
-
-def plain_sink(spec: WorkerSpec) -> Sink:
-    """A worker's log and echo, with no one told of dropped output."""
-    prefix = f"[rank{spec.rank}]: ".encode() if spec.echo else None
-    return Sink(open_log(spec.log_path), prefix, label=f"rank {spec.rank}")
 
 
 def forks_expected(entry: PythonEntry | None) -> bool:

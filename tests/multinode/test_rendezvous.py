@@ -19,7 +19,7 @@ from ft_launcher.nodes.rendezvous import (
     parse_endpoints,
 )
 
-from .conftest import free_ports, in_thread
+from .conftest import free_ports, in_thread, wait_until
 
 
 def test_default_timings_detect_a_dead_node_fast():
@@ -275,21 +275,15 @@ def test_a_node_left_on_the_wait_list_of_a_full_round_is_a_spare_not_a_reason_to
         tb.join(20)
         assert "value" in box_a and "value" in box_b, (box_a, box_b)
         tc, box_c = in_thread(c.next_round)
-        deadline = time.monotonic() + 10
-        while "spare_waiting" not in recs["c"].names() and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_until(lambda: "spare_waiting" in recs["c"].names(), 10, "c waiting as a spare")
         assert c.waiting_as_spare
         ta, box_a = in_thread(a.next_round)  # a restarts first: b is still in the round
-        deadline = time.monotonic() + 10
-        while a._node not in a._read_state().wait_list and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_until(lambda: a._node in a._read_state().wait_list, 10, "a on the wait list")
         time.sleep(0.3)  # c sees the short round and moves to the wait list
         tb, box_b = in_thread(b.next_round)
         boxes = {"a": box_a, "b": box_b, "c": box_c}
-        deadline = time.monotonic() + 20
-        while sum("value" in box for box in boxes.values()) < 2 and \
-                time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: sum("value" in box for box in boxes.values()) >= 2, 20,
+                   "two of the three in the next round")
         joined = sorted(n for n, box in boxes.items() if "value" in box)
         left = ({"a", "b", "c"} - set(joined)).pop()
         assert len(joined) == 2, boxes
