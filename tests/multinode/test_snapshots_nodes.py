@@ -68,7 +68,9 @@ def _check_restore_on_spare(nodes: Nodes, lost_at: float) -> dict:
     assert picked and picked[-1]["iteration"] == restored["iteration"]
     # The snapshot of iteration i holds steps 0..i-1: at most one step is done again.
     assert restored["iteration"] >= last, (restored, last)
-    a_restored = [e for e in nodes.events("a", "snapshot_restored") if e["rank"] == 0]
+    # a's rank 0 restores in the same moment, but its event may be written after c's.
+    a_restored = wait_until(lambda: [e for e in nodes.events("a", "snapshot_restored")
+                                     if e["rank"] == 0], 30, "a's rank 0 to restore")
     assert a_restored and a_restored[-1]["iteration"] == restored["iteration"]
     assert a_restored[-1]["source"] == "local"
     wait_until(lambda: [s for s in nodes.steps() if s["node"] == "c" and
