@@ -11,6 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 from launch_helpers import processes_of
+from xdist.scheduler import LoadScopeScheduling
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -136,16 +137,31 @@ FAST_TESTS = {
 # The suite runs on two pytest-xdist workers (`-n 2` in pyproject.toml): most end-to-end
 # cases wait on timeouts rather than compute. Tests that share something costly or global
 # stay on one worker: a module-scoped fixture's module, and every Slurm case (one cluster per
-# session, on fixed ports).
+# session, on fixed ports). The scheduler below does the grouping itself: xdist's own
+# `xdist_group` marks work by renaming each test's node id, which pytest 9 no longer lets a
+# plugin do, so with them every group was silently spread over both workers.
 SHARED_FIXTURE_MODULES = {"test_bench_smoke.py", "test_megatron_loop.py", "test_gpu_launcher.py"}
 
 
-def _xdist_group(item: pytest.Item) -> str | None:
-    if item.path.parent.name == "slurm":
+def worker_group(path: Path) -> str | None:
+    """The group whose tests must all run on one worker, or None for a test of its own."""
+    if path.parent.name == "slurm":
         return "slurm"
-    if item.path.name in SHARED_FIXTURE_MODULES:
-        return item.path.name
+    if path.name in SHARED_FIXTURE_MODULES:
+        return path.name
     return None
+
+
+class GroupScheduling(LoadScopeScheduling):
+    """xdist's load scheduling, except that each group goes whole to one worker."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        return worker_group(Path(nodeid.split("::", 1)[0])) or nodeid
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> GroupScheduling | None:
+    """Group the default `--dist load`; any other mode asked for on the command line stands."""
+    return GroupScheduling(config, log) if config.getvalue("dist") == "load" else None
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -153,6 +169,3 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         slow = item.path.name in SLOW_MODULES and item.originalname not in FAST_TESTS
         if slow or item.originalname in SLOW_TESTS:
             item.add_marker(pytest.mark.slow)
-        group = _xdist_group(item)
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))

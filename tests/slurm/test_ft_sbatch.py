@@ -26,6 +26,12 @@ def train(jobs: SlurmJobs, mode: str, *extra: str) -> tuple[str, ...]:
     return (*LAUNCH, str(TRAIN), mode, str(jobs.workdir), *extra)
 
 
+def hostnames(nodelist: str) -> list[str]:
+    """The node names of a Slurm node list such as ``node[2-3]``."""
+    return subprocess.run(["scontrol", "show", "hostnames", nodelist],
+                          capture_output=True, text=True, timeout=15).stdout.split()
+
+
 def runs(jobs: SlurmJobs) -> list[tuple[str, str]]:
     """(node, SLURM_RESTART_COUNT) of every run of the training script."""
     path = jobs.workdir / "runs.txt"
@@ -157,8 +163,10 @@ def test_two_node_usr1_reaches_both_launchers_through_srun(slurm_jobs):
                             str(29900 + os.getpid() % 90), "--",
                             *train(slurm_jobs, "usr1", "--linger", "2"),
                             sbatch=("-N", "2"))
-    for node in ("node1", "node2"):  # both handlers installed before the signal
-        slurm_jobs.wait_file(slurm_jobs.workdir / f"ready.{node}", 30, job)
+    first = slurm_jobs.wait_state(job, {"RUNNING"}, 60)
+    nodes = hostnames(first["NodeList"])
+    for node in nodes:  # both handlers installed before the signal
+        slurm_jobs.wait_file(slurm_jobs.workdir / f"ready.{node}", 90, job)
     subprocess.run(["scancel", "--batch", "--signal=USR1", job], check=True, timeout=15)
     f = slurm_jobs.wait_done(job, 120)  # two launches of two launchers: 45 s at load 20
     out = slurm_jobs.output(job)
@@ -166,8 +174,9 @@ def test_two_node_usr1_reaches_both_launchers_through_srun(slurm_jobs):
     assert "passing it to the launchers through srun" in out
     assert out.count("USR1: checkpoint at step") == 2, out
     assert out.count("resumed from step") == 2, out
-    assert sorted(runs(slurm_jobs)) == [("node1", "1"), ("node1", "unset"), ("node2", "1"),
-                                        ("node2", "unset")]
+    # a requeued job may land on other nodes; each of its two runs trained on two nodes
+    assert sorted(r[1] for r in runs(slurm_jobs)) == ["1", "1", "unset", "unset"]
+    assert sorted(n for n, count in runs(slurm_jobs) if count == "unset") == nodes
 
 
 SICK_NODE = "node1"  # the batch node: it also hosts the rendezvous store, which must survive
@@ -234,8 +243,7 @@ def test_a_dead_node_without_a_spare_is_excluded_when_the_job_is_requeued(slurm_
                             str(27400 + os.getpid() % 500), "--",
                             *train(slurm_jobs, "hold-first-run"), sbatch=("-N", "2"))
     first = slurm_jobs.wait_state(job, {"RUNNING"}, 60)
-    nodes = subprocess.run(["scontrol", "show", "hostnames", first["NodeList"]],
-                           capture_output=True, text=True, timeout=15).stdout.split()
+    nodes = hostnames(first["NodeList"])
     victim = next(n for n in nodes if n != first["BatchHost"])  # the batch node holds the job
     for node in nodes:  # both launchers are up, and their workers run
         slurm_jobs.wait_file(slurm_jobs.workdir / f"ready.{node}", 90, job)
@@ -244,8 +252,7 @@ def test_a_dead_node_without_a_spare_is_excluded_when_the_job_is_requeued(slurm_
     out = slurm_jobs.output(job)
     assert (f["JobState"], f["ExitCode"], f["Restarts"]) == ("COMPLETED", "0:0", "1"), out
     assert f["ExcNodeList"] == victim, out
-    second = subprocess.run(["scontrol", "show", "hostnames", f["NodeList"]],
-                            capture_output=True, text=True, timeout=15).stdout.split()
+    second = hostnames(f["NodeList"])
     assert len(second) == 2 and victim not in second, out
     assert f"no {slurm_jobs.workdir}/runs/{job}/{victim}/summary.json" in out
     assert "excluded: it died while others wrote theirs" in out
@@ -269,8 +276,7 @@ def test_a_waiting_spare_is_admitted_when_a_node_dies_mid_run(slurm_jobs):
                             *train(slurm_jobs, "hold-until-killed", "--linger", "3"),
                             sbatch=("-N", "3"))
     first = slurm_jobs.wait_state(job, {"RUNNING"}, 60)
-    nodes = subprocess.run(["scontrol", "show", "hostnames", first["NodeList"]],
-                           capture_output=True, text=True, timeout=15).stdout.split()
+    nodes = hostnames(first["NodeList"])
     run_dir = slurm_jobs.workdir / "runs" / job
 
     def spare() -> str | None:
