@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import datetime
 import fcntl
 import json
 import os
@@ -66,6 +67,9 @@ from soak_faults import (
 from soak_nodes import NodeCluster, ranks_of
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts" / "bench"))
+from bench import machine_info  # noqa: E402
+
 TRAIN = ROOT / "examples" / "train_ddp.py"
 LAUNCHER = [sys.executable, "-m", "ft_launcher.cli"]
 POLL_S = 0.5
@@ -381,6 +385,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse(argv)
+    machine = machine_info()
     with tempfile.TemporaryDirectory(prefix="ft-soak-") as tmp_dir:
         base = args.keep or Path(tmp_dir)
         ref = reference(base, args.steps, args.step_time)
@@ -392,7 +397,9 @@ def main(argv: list[str] | None = None) -> int:
             job.close()
         run["wall_s"] = round(time.time() - started, 1)
         result = report(job, run, ref, args, argv)
-    result["ok"] = verdict(result)
+    machine["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    result = {"date": datetime.date.today().isoformat(), "machine": machine, **result,
+              "ok": verdict(result)}
     text = json.dumps(result, indent=1, default=str)
     if args.out:
         args.out.write_text(text + "\n")

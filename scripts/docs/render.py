@@ -12,6 +12,7 @@ nothing but those inputs: no clock, no machine, no environment.
 from __future__ import annotations
 
 import argparse
+import collections
 import importlib.util
 import json
 import statistics
@@ -468,6 +469,61 @@ def _replica_sections() -> list[str]:
     return out + [""]
 
 
+def _soak_sections() -> list[str]:
+    out = []
+    for name in sorted(p.name for p in BENCH.glob("snapshot_soak*.json")):
+        out += _soak_section(_load(name), name)
+    return out
+
+
+def _soak_section(doc: dict[str, Any], name: str) -> list[str]:
+    m = doc["machine"]
+    where = ("two launchers on loopback (one rank each) and a spare launcher"
+             if doc["nodes"] == 2 else "one launcher, 2 ranks")
+    restores = collections.Counter(r["source"] for r in doc["restores"])
+    left = [f"{len(doc['processes_left'])} processes",
+            f"{len(doc['shm_left'])} snapshot areas in /dev/shm",
+            f"{sum(not v for v in doc['locks_free'].values())} run-directory locks"]
+    out = [f"### `{name}`: a soak of random faults", "",
+           "Written by `scripts/snapshot_soak.py`: `examples/train_ddp.py` (gloo, a snapshot "
+           f"every step) on {where}, {doc['steps']} steps, once without faults and without "
+           "snapshots (the reference), then under faults; each fault is picked at random "
+           "and injected once the job trains.", "",
+           f"- date: {doc['date']}",
+           f"- machine: {_machine_line(m)}; at end {m['loadavg_end']}",
+           f"- command: `{doc['command']}`", "",
+           "| fault | count | fault → first step of every rank, median (max) over the faults "
+           "followed by one, s |",
+           "|---|---|---|"]
+    for kind, count in sorted(doc["faults_by_kind"].items()):
+        cost = doc["recovery_s_by_kind"].get(kind)
+        cell = f"{cost['median']:.2f} ({cost['max']:.2f})" if cost else "—"
+        out.append(f"| {FAULT_KINDS.get(kind, kind)} | {count} | {cell} |")
+    rss = doc["launcher_rss_mb"].values()
+    out += ["",
+            f"- final weights bit-identical to the reference's: "
+            f"{'yes' if doc['weights_bit_identical'] else 'NO'}; left behind: "
+            f"{', '.join(left)}; every check held: {'yes' if doc['ok'] else 'NO'}",
+            f"- wall time {doc['wall_s']:.0f} s against the reference's "
+            f"{doc['reference_wall_s']:.0f} s: goodput {doc['goodput_vs_reference']:.2f} "
+            "(snapshot cost included)",
+            "- restores: " + ", ".join(f"{n} from the {src} copy"
+                                       for src, n in sorted(restores.items())),
+            f"- launcher RSS, sampled every 2 s, MB: the highest "
+            f"{_spread([r['max'] for r in rss], 0)}, the last "
+            f"{_spread([r['last'] for r in rss], 0)} ({len(rss)} launchers, "
+            "those started again as spares included)", ""]
+    return out
+
+
+FAULT_KINDS = {
+    "kill": "SIGKILL of a rank",
+    "stop": "SIGSTOP of a rank (hang)",
+    "freeze": "a frozen node (SIGSTOP of a launcher's whole tree)",
+    "node_kill": "a SIGKILLed launcher (the spare takes its place)",
+}
+
+
 def benchmarks_page() -> str:
     report = _bench_report()
     lines = [GENERATED.format(source="the committed `scripts/bench/*.json`"), "",
@@ -498,6 +554,7 @@ def benchmarks_page() -> str:
     lines += _scale_sections()
     lines += _snapshot_sections()
     lines += _replica_sections()
+    lines += _soak_sections()
     text = "\n".join(lines)
     return text.rstrip("\n") + "\n"
 
