@@ -167,6 +167,31 @@ def test_a_crash_without_injection_dates_the_fault_at_the_death():
     assert c0["no_progress"] is False and c0["productive_s"] == pytest.approx(1.0)
 
 
+def test_a_spares_wait_is_charged_to_waiting_as_a_spare_not_to_start_up():
+    # a spare that waits 100 s, is admitted, trains 10 s and finishes; then one that is
+    # never admitted (the job ended while it waited): all its run-up is spare time
+    s = Stream()
+    s.at(0, "launcher_started").at(1, "spare_waiting", round=0, participants=2)
+    s.at(101, "spare_admitted", waited_s=100.0, round=1).at(102, "rendezvous_done")
+    s.at(102.5, "workers_started", ranks=[0]).at(104, "first_step", rank=0, iteration=1)
+    s.at(114, "last_progress", rank=0, iteration=100, at=T0 + 114)
+    s.at(114.2, "worker_exited", rank=0, exit_code=0, signal=None)
+    s.at(114.5, "launcher_exited", exit_code=0)
+    led = ledger_of(s.records).summary()
+    c0, = led["attempts"][0]["cycles"]
+    assert c0["spare_wait_s"] == pytest.approx(100.0)
+    assert led["lost_by_cause_s"]["waiting as a spare"] == pytest.approx(100.0)
+    assert led["lost_by_cause_s"]["start-up and shutdown"] == pytest.approx(4.5)
+    assert led["productive_s"] == pytest.approx(10.0)
+
+    never = Stream()
+    never.at(0, "launcher_started").at(0.5, "spare_waiting", round=0, participants=2)
+    never.at(60, "launcher_exited", exit_code=0, reason="the job finished")
+    led = ledger_of(never.records).summary()
+    assert led["lost_by_cause_s"]["waiting as a spare"] == pytest.approx(59.5)
+    assert led["lost_by_cause_s"]["start-up and shutdown"] == pytest.approx(0.5)
+
+
 def test_attempts_in_one_run_dir_are_kept_apart():
     first = killed_then_finished(attempt=None)
     second = killed_then_finished(attempt=2, offset=100.0)

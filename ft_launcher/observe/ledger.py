@@ -79,6 +79,8 @@ class _Cycle:
     failed_exit: dict[str, Any] | None = None
     signal: dict[str, Any] | None = None
     peers_waiting: float | None = None
+    spare_since: float | None = None  # this node waited as a spare from then
+    spare_until: float | None = None  # ... until it was admitted
     last_exit: float | None = None
     goodbye: float | None = None
     clean_exit: float | None = None
@@ -315,6 +317,13 @@ class Ledger:
     def _on_peers_waiting(self, att, cyc, rec, ts) -> None:
         if cyc.peers_waiting is None:
             cyc.peers_waiting = ts
+
+    def _on_spare_waiting(self, att, cyc, rec, ts) -> None:
+        if cyc.spare_since is None:
+            cyc.spare_since = ts
+
+    def _on_spare_admitted(self, att, cyc, rec, ts) -> None:
+        cyc.spare_until = ts
 
     def _on_decision(self, att, cyc, rec, ts) -> None:
         cyc.decision = {"ts": ts, "outcome": rec.get("outcome"), "reason": rec.get("reason")}

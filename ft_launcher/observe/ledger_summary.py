@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
 PHASES = ("rendezvous", "spawn", "productive", "work_lost", "detection", "teardown", "other")
 START_UP = "start-up and shutdown"
+SPARE = "waiting as a spare"  # a node kept idle on purpose, not a fault's cost
 
 
 def _r(value: float | None, digits: int = 3) -> float | None:
@@ -79,6 +80,7 @@ class CycleSummary:
     phases_s: dict[str, float]
     marks: CycleMarks
     checkpoint_source: str | None = None  # "checkpoint", or "snapshot" (restored from it)
+    spare_wait_s: float | None = None  # the part of the rendezvous spent as a spare
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON-ready row."""
@@ -241,7 +243,18 @@ def summarize_cycle(c: _Cycle, nxt: _Cycle | None, attempt_end: float, first: bo
                          cut.detected, cut.torn_down, end),
         checkpoint_source=None if cut.checkpoint is None else
         "snapshot" if cut.from_snapshot else "checkpoint",
+        spare_wait_s=_spare_wait(c, cut.training),
     )
+
+
+def _spare_wait(c: _Cycle, run_up_end: float) -> float | None:
+    """Seconds of the cycle's run-up (rendezvous and spawn) this node waited as a spare:
+    until it was admitted, or to the run-up's end; None if it never waited."""
+    if c.spare_since is None:
+        return None
+    since = min(max(c.spare_since, c.start), run_up_end)
+    until = min(c.spare_until if c.spare_until is not None else run_up_end, run_up_end)
+    return _r(max(0.0, until - since))
 
 
 def _losses(rows: list[CycleSummary]) -> tuple[float, dict[str, float], dict[str, float]]:
@@ -251,6 +264,7 @@ def _losses(rows: list[CycleSummary]) -> tuple[float, dict[str, float], dict[str
     productive = 0.0
     for i, row in enumerate(rows):
         productive += row.phases_s["productive"]
+        spare = row.spare_wait_s or 0.0
         for phase, secs in row.phases_s.items():
             if phase == "productive":
                 continue
@@ -259,6 +273,10 @@ def _losses(rows: list[CycleSummary]) -> tuple[float, dict[str, float], dict[str
             cause = row.charged_to if key != "start-up" else START_UP
             if phase in ("rendezvous", "spawn") and not row.startup and i > 0:
                 cause = rows[i - 1].cause or START_UP
+            if phase in ("rendezvous", "spawn") and spare:
+                taken = min(spare, secs)
+                spare, secs = spare - taken, secs - taken
+                by_cause[SPARE] = by_cause.get(SPARE, 0.0) + taken
             if secs:
                 by_cause[cause] = by_cause.get(cause, 0.0) + secs
     return productive, lost, by_cause
