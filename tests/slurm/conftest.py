@@ -12,6 +12,7 @@ This folder is a package (``__init__.py``) on purpose: a second top-level module
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import shutil
@@ -81,6 +82,17 @@ def slurm_cluster() -> Iterator[None]:
         _unavailable("the Slurm tests need root (slurm-up.sh installs packages, starts daemons)")
     if shutil.which("dpkg-query") is None:
         _unavailable("the Slurm tests need a Debian system (dpkg, apt)")
+    # One session owns the cluster: a second one (another xdist worker, when the grouping
+    # in tests/conftest.py fails) would start the daemons twice and take them down under
+    # the first one's jobs. Fail at once and say why instead.
+    owner = open("/run/ft-launcher-slurm-tests.lock", "w")  # noqa: SIM115 - held to the end
+    try:
+        fcntl.flock(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        owner.close()
+        pytest.fail("another pytest session holds the Slurm cluster: every Slurm case must "
+                    "run on one xdist worker (tests/conftest.py, GroupScheduling)",
+                    pytrace=False)
     was_up = _cluster_up()
     env = {**os.environ, "SLURM_UP_NODES": str(len(NODES))}
     try:
@@ -97,6 +109,7 @@ def slurm_cluster() -> Iterator[None]:
     if not was_up:
         subprocess.run(["bash", str(SLURM_DIR / "slurm-down.sh")], capture_output=True,
                        timeout=120, check=False)
+    owner.close()
 
 
 # --------------------------------------------------------------------- job helpers
