@@ -80,7 +80,7 @@ class CycleSummary:
     phases_s: dict[str, float]
     marks: CycleMarks
     checkpoint_source: str | None = None  # "checkpoint", or "snapshot" (restored from it)
-    spare_wait_s: float | None = None  # the part of the rendezvous spent as a spare
+    spare_wait_s: float | None = None  # the part of the run-up spent waiting as a spare
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON-ready row."""
