@@ -159,3 +159,15 @@ def test_the_page_shows_ours_snap_in_its_own_table() -> None:
            "ours-snap ahead of NVRx 0.4.1 |" in text
     assert "| goodput with a snapshot every step (ours-snap) ahead of NVRx 0.4.1 in every " \
            "pair (lowest ratio) | 1.21 | yes |" in text
+
+
+def test_steps_redone_per_fault_become_two_rows() -> None:
+    lost = [{"reached": 460, "resumed_from": 400, "source": "disk", "redone": 60}, None]
+    assert bench._redone(lost) == {"redone_kill": 60, "redone_hang": None}
+    assert bench._redone(None) == {"redone_kill": None, "redone_hang": None}
+    raw = {"clean": {"nvrx": [{"wall_s": 10.0, "ckpt_interval_s": 2.5}]},
+           "faulted": {"nvrx": [{"wall_s": 12.5, "bounded": [], "faults": ["SIGKILL"],
+                                 "lost": lost}]}}
+    row = bench._derive(raw, ["goodput"])["goodput"]["nvrx"][0]
+    assert row["goodput"] == 0.8 and row["redone_kill"] == 60 and row["lost"] == lost
+    assert row["ckpt_interval_s"] == 2.5

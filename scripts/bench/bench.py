@@ -377,6 +377,7 @@ def _derive(raw: dict[str, Any], selected: list[str]) -> dict[str, dict[str, lis
                 row.update({k: f[k] for k in ("warm", "standby_wait_s", "cold_wall_s", "lost")
                             if k in f})
                 row.update({k: c[k] for k in ("ckpt_interval_s",) if k in c})
+                row.update(_redone(f.get("lost")))
                 if row["clean_wall_s"] and row["faulted_wall_s"]:
                     row["goodput"] = round(row["clean_wall_s"] / row["faulted_wall_s"], 4)
                 else:
@@ -387,6 +388,14 @@ def _derive(raw: dict[str, Any], selected: list[str]) -> dict[str, dict[str, lis
                 rows.append(row)
             out["goodput"][x] = rows
     return out
+
+
+def _redone(lost: list[dict[str, Any] | None] | None) -> dict[str, int | None]:
+    """Steps redone after the kill and after the hang, from a faulted run's ``lost``
+    (None where a fault was not sent or no next cycle resumed)."""
+    found = [(x or {}).get("redone") for x in lost or []]
+    found += [None] * (2 - len(found))
+    return {"redone_kill": found[0], "redone_hang": found[1]}
 
 
 def write(doc: dict[str, Any], out: Path) -> None:

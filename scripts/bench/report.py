@@ -61,6 +61,10 @@ METRICS = [
            better="higher"),
     Metric("goodput", "faulted_wall_s", "wall time with a kill and a hang", "s"),
     Metric("goodput", "clean_wall_s", "wall time fault-free", "s"),
+    Metric("goodput", "redone_kill", "steps redone after the kill (step reached − step "
+           "resumed from)", "steps", ratio=False, digits=0),
+    Metric("goodput", "redone_hang", "steps redone after the hang, same", "steps",
+           ratio=False, digits=0),
 ]
 
 
