@@ -263,7 +263,7 @@ def _goodput_method(s: Settings) -> list[str]:
         kill, hang = s.fault_at_s
         when = (f"SIGKILL of rank 1 {kill:g} s after the first step of cycle 0, SIGSTOP of "
                 f"rank 1 {hang:g} s after it (or, when cycle 1 has not taken its first step "
-                "by then, at that first step); the same times for every launcher")
+                "by then, at that first step), the same times for every launcher")
     else:
         when = (f"SIGKILL of rank 1 {s.fault_after_s:g} s after the first step of cycle 0, "
                 f"SIGSTOP of rank 1 {s.fault_after_s:g} s after the first step of cycle 1")
@@ -271,8 +271,8 @@ def _goodput_method(s: Settings) -> list[str]:
         f"goodput: a fixed training ({s.train_steps:,} steps of {s.step_time * 1000:g} ms "
         f"of sleep each, a disk checkpoint every {s.ckpt_every:,} steps, resume from it; "
         "each fault-free run records the checkpoint interval in seconds as "
-        f"ckpt_interval_s) run once fault-free and once with two faults: {when} "
-        "(--max-restarts 3); "
+        "ckpt_interval_s) run once fault-free and once with two faults (--max-restarts "
+        f"3): {when}; "
         "ours-warm gets each fault at that time or, when later, once its standbys are ready "
         "(so it trains longer before each fault; the work lost is what follows the last "
         "checkpoint either way, and the whole training is the same). goodput "
