@@ -1,6 +1,5 @@
 """The long goodput schedule and ours-snap in the benchmark driver: settings, argv, the fault
-times, the work lost per fault, the targets. Pure logic, nothing started (the smoke run in
-test_bench_smoke.py puts ours-snap through real launchers)."""
+times, the work lost per fault, the targets. Pure logic, nothing started."""
 
 from __future__ import annotations
 
