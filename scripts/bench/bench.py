@@ -3,6 +3,7 @@
     python scripts/bench/bench.py                      # full run (~35 min on 2 cores)
     python scripts/bench/bench.py --quick              # shorter: 3 runs, tighter bounds
     python scripts/bench/bench.py --only heartbeat,hang --launchers ours,nvrx --repeat 3
+    python scripts/bench/bench.py --long --out /tmp/long  # goodput over a long schedule
 
 Measures: heartbeat (µs per send_heartbeat), hang (SIGSTOP -> verdict), crash (SIGKILL ->
 first step of the next cycle), startup (launcher start -> first step), footprint (launcher
@@ -13,7 +14,11 @@ the same load; ratios are per pair.
 
 Launchers: ours (its defaults: warm restart on), ours-cold (--no-ft-warm-restart) and
 ours-warm (--ft-warm-restart --ft-preload torch,torch._dynamo), the last two only in crash,
-startup and goodput, where they start or restart differently; torchrun, nvrx.
+startup and goodput, where they start or restart differently; torchrun, nvrx. On request
+(--launchers), ours-snap: ours with an in-memory snapshot every step, in startup and goodput.
+
+--long: goodput only, on a long schedule (see PROFILES["long"]), for ours-snap, torchrun and
+nvrx unless --only / --launchers say otherwise.
 
 Writes ``results.json`` and ``RESULTS.md`` to ``--out`` (default: this folder). NVRx is
 installed on first use into ``.bench/nvrx-venv`` (see nvrx_env.py). Every process started is
@@ -56,6 +61,11 @@ ALL_MEASURES = ("heartbeat", "hang", "crash", "startup", "footprint", "training"
 # victim's last send_heartbeat() call (it is SIGSTOPped right after one returns).
 EXTRA_MEASURES = ("verdict",)
 ALL_LAUNCHERS = ("ours", measures.COLD, measures.WARM, "torchrun", "nvrx")
+# Run only when named in --launchers (or by --long): ours with a snapshot every step.
+EXTRA_LAUNCHERS = (measures.SNAP,)
+LAUNCHER_CHOICES = ("ours", measures.COLD, measures.WARM, measures.SNAP, "torchrun", "nvrx")
+# Snapshots change what a restart resumes from: ours-snap runs only in the fixed training.
+SNAP_KINDS = ("clean", "faulted")
 # torchrun has no heartbeat client and no monitor: nothing to measure for these two.
 CLIENT_MEASURES = ("heartbeat", "footprint", "verdict")
 # Warm restart changes how a cycle starts (the first cycle's workers and every restart's
@@ -77,7 +87,15 @@ PROFILES: dict[str, Settings] = {
                       # the torch-free training imports no torch: a cheap module keeps the
                       # standbys (and so ours-warm's wiring) quick to check
                       warm_preload="json", ours_preload="json", standby_bound_s=10.0),
+    # Goodput over a long schedule: the sleep alone makes the fault-free training 5 min
+    # (15,000 steps of >= 20 ms; ~26 ms a step on the 2-CPU machine, so ~6.5 min); a disk
+    # checkpoint every 2,300 steps (~60 s of training there; each fault-free run records its
+    # ckpt_interval_s); the kill and the hang at ~1/3 and ~2/3 of the training.
+    "long": Settings(repeat=3, train_steps=15_000, ckpt_every=2_300,
+                     fault_at_s=(130.0, 260.0), goodput_bound_s=600.0),
 }
+LONG_MEASURES = "goodput"
+LONG_LAUNCHERS = f"{measures.SNAP},torchrun,nvrx"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -86,16 +104,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 epilog="\n".join(__doc__.splitlines()[1:]))
     p.add_argument("--repeat", type=int, default=None,
                    help="runs per launcher and measure [5; --quick 3]")
-    p.add_argument("--only", default=",".join(ALL_MEASURES),
-                   help=f"comma-separated measures [{','.join(ALL_MEASURES)}; also "
-                        f"{','.join(EXTRA_MEASURES)}]")
-    p.add_argument("--launchers", default=",".join(ALL_LAUNCHERS),
-                   help=f"comma-separated launchers [{','.join(ALL_LAUNCHERS)}]")
+    p.add_argument("--only", default=None,
+                   help=f"comma-separated measures [{','.join(ALL_MEASURES)}; --long: "
+                        f"{LONG_MEASURES}; also {','.join(EXTRA_MEASURES)}]")
+    p.add_argument("--launchers", default=None,
+                   help=f"comma-separated launchers [{','.join(ALL_LAUNCHERS)}; --long: "
+                        f"{LONG_LAUNCHERS}; also {','.join(EXTRA_LAUNCHERS)}]")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent),
                    help="where results.json and RESULTS.md go [scripts/bench]")
     p.add_argument("--quick", action="store_true", help="3 runs, shorter bounds and windows")
     p.add_argument("--smoke", action="store_true",
                    help="one run each with tiny counts (the test suite's check)")
+    p.add_argument("--long", action="store_true",
+                   help="goodput over a long schedule: >= 5 min of fault-free training, a "
+                        "kill and a hang at fixed times, 3 runs (~2 h 15 min)")
     p.add_argument("--keep-runs", action="store_true",
                    help="keep each run's logs and run directories (printed at the end)")
     p.add_argument("--render", metavar="RESULTS_JSON", default=None,
@@ -112,6 +134,18 @@ def _choice(option: str, text: str, allowed: tuple[str, ...]) -> list[str]:
         raise SystemExit(f"error: {option}: expected a comma-separated subset of "
                          f"{','.join(allowed)}, got {text!r}")
     return [x for x in allowed if x in items]  # canonical order
+
+
+def _selection(args: argparse.Namespace) -> tuple[list[str], list[str], str]:
+    """The measures, the launchers and the profile the options ask for."""
+    if sum((args.quick, args.smoke, args.long)) > 1:
+        raise SystemExit("error: --quick, --smoke and --long: choose one")
+    only = args.only or (LONG_MEASURES if args.long else ",".join(ALL_MEASURES))
+    names = args.launchers or (LONG_LAUNCHERS if args.long else ",".join(ALL_LAUNCHERS))
+    profile = "smoke" if args.smoke else "quick" if args.quick else \
+        "long" if args.long else "full"
+    return (_choice("--only", only, ALL_MEASURES + EXTRA_MEASURES),
+            _choice("--launchers", names, LAUNCHER_CHOICES), profile)
 
 
 def machine_info() -> dict[str, Any]:
@@ -219,16 +253,43 @@ def method(s: Settings) -> list[str]:
         f"step); from {s.settle_s + 1:g} s after every rank's first step, CPU time of the "
         f"launcher-side processes (as in footprint) over {s.footprint_window_s:g} s. "
         "Then the same with each step also in a 'compute' section (not torchrun: no client).",
-        f"goodput: a fixed training ({s.train_steps} steps, checkpoint every {s.ckpt_every} "
-        "steps, resume from it) run once fault-free and once with two faults: SIGKILL of "
-        f"rank 1 {s.fault_after_s:g} s after the first step of cycle 0, SIGSTOP of rank 1 "
-        f"{s.fault_after_s:g} s after the first step of cycle 1 (--max-restarts 3); "
+        *_goodput_method(s),
+    ]
+
+
+def _goodput_method(s: Settings) -> list[str]:
+    """The goodput measure's notes: its schedule, and ours-snap when it may run."""
+    if s.fault_at_s:
+        kill, hang = s.fault_at_s
+        when = (f"SIGKILL of rank 1 {kill:g} s after the first step of cycle 0, SIGSTOP of "
+                f"rank 1 {hang:g} s after it (or, when cycle 1 has not taken its first step "
+                "by then, at that first step), the same times for every launcher")
+    else:
+        when = (f"SIGKILL of rank 1 {s.fault_after_s:g} s after the first step of cycle 0, "
+                f"SIGSTOP of rank 1 {s.fault_after_s:g} s after the first step of cycle 1")
+    return [
+        f"goodput: a fixed training ({s.train_steps:,} steps of {s.step_time * 1000:g} ms "
+        f"of sleep each, a disk checkpoint every {s.ckpt_every:,} steps, resume from it; "
+        "each fault-free run records the checkpoint interval in seconds as "
+        "ckpt_interval_s) run once fault-free and once with two faults (--max-restarts "
+        f"3): {when}; "
         "ours-warm gets each fault at that time or, when later, once its standbys are ready "
         "(so it trains longer before each fault; the work lost is what follows the last "
         "checkpoint either way, and the whole training is the same). goodput "
         "= the launcher's own fault-free wall ÷ its faulted wall; the faulted wall's ratio "
         "is the goodput ratio against one common fault-free reference. A run that does not "
-        f"finish within {s.goodput_bound_s:g} s counts as that bound (marked ≤ / ≥).",
+        f"finish within {s.goodput_bound_s:g} s counts as that bound (marked ≤ / ≥). "
+        "Work lost per fault (lost in the JSON): the step rank 1 had finished when the "
+        "fault was sent (its cycle's first step plus its heartbeats since, from the "
+        "workload's --hb-mark) against the step the next cycle resumed from, and from "
+        "what (snapshot, disk, none). A lost node is out of scope: this harness runs one "
+        "node, so its faults are a killed and a stopped rank.",
+        "ours-snap (only where named in --launchers, and in --long) = ours with its "
+        "defaults plus --ft-snapshot-every 1, and the workload's --snapshots: after every "
+        "step each rank offers client.snapshot() the model's and the optimizer's state "
+        "with the step, and a restarted cycle resumes from client.restore() when it "
+        "returns a snapshot, before the disk checkpoint (which it keeps writing as the "
+        "others do). torchrun and NVRx resume from the disk checkpoint only.",
     ]
 
 
@@ -259,6 +320,8 @@ def launchers_for(kind: str, launchers: list[str]) -> list[str]:
         if kind in CLIENT_MEASURES and x == "torchrun":
             continue
         if x in (measures.WARM, measures.COLD) and kind not in WARM_KINDS:
+            continue
+        if x == measures.SNAP and kind not in SNAP_KINDS:
             continue
         out.append(x)
     return out
@@ -311,8 +374,10 @@ def _derive(raw: dict[str, Any], selected: list[str]) -> dict[str, dict[str, lis
                 row = {"clean_wall_s": c.get("wall_s"), "faulted_wall_s": f.get("wall_s"),
                        "bounded": ["faulted_wall_s", "goodput"] if bounded else [],
                        "faults": f.get("faults")}
-                row.update({k: f[k] for k in ("warm", "standby_wait_s", "cold_wall_s")
+                row.update({k: f[k] for k in ("warm", "standby_wait_s", "cold_wall_s", "lost")
                             if k in f})
+                row.update({k: c[k] for k in ("ckpt_interval_s",) if k in c})
+                row.update(_redone(f.get("lost")))
                 if row["clean_wall_s"] and row["faulted_wall_s"]:
                     row["goodput"] = round(row["clean_wall_s"] / row["faulted_wall_s"], 4)
                 else:
@@ -323,6 +388,14 @@ def _derive(raw: dict[str, Any], selected: list[str]) -> dict[str, dict[str, lis
                 rows.append(row)
             out["goodput"][x] = rows
     return out
+
+
+def _redone(lost: list[dict[str, Any] | None] | None) -> dict[str, int | None]:
+    """Steps redone after the kill and after the hang, from a faulted run's ``lost``
+    (None where a fault was not sent or no next cycle resumed)."""
+    found = [(x or {}).get("redone") for x in lost or []]
+    found += [None] * (2 - len(found))
+    return {"redone_kill": found[0], "redone_hang": found[1]}
 
 
 def write(doc: dict[str, Any], out: Path) -> None:
@@ -375,11 +448,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="[bench %(asctime)s] %(message)s", stream=sys.stderr)
     if args.render:
         return render(Path(args.render), Path(args.out))
-    selected = _choice("--only", args.only, ALL_MEASURES + EXTRA_MEASURES)
-    launchers = _choice("--launchers", args.launchers, ALL_LAUNCHERS)
-    if args.quick and args.smoke:
-        raise SystemExit("error: --quick and --smoke: choose one")
-    profile = "smoke" if args.smoke else "quick" if args.quick else "full"
+    selected, launchers, profile = _selection(args)
     settings = dataclasses.replace(PROFILES[profile])
     if args.repeat is not None:
         if args.repeat < 1:

@@ -33,7 +33,10 @@ INITIAL_TIMEOUT_S = 120.0  # spawn -> first heartbeat: covers torch imports on a
 WARM = "ours-warm"  # ours with --ft-warm-restart: standby interpreters take over on a restart
 COLD = "ours-cold"  # ours with --no-ft-warm-restart: every worker a fresh interpreter
 STORE = "ours-store"  # cold, with --ft-agent-store: a store-only zygote hosts each cycle's store
-OURS = ("ours", WARM, STORE, COLD)
+# ours with its defaults plus an in-memory snapshot every step (--ft-snapshot-every 1); its
+# workload snapshots each step and resumes from the snapshot before the disk checkpoint
+SNAP = "ours-snap"
+OURS = ("ours", WARM, STORE, COLD, SNAP)
 # DDP imports torch._dynamo when it is built (~1.4 s here): preloading it too is what makes a
 # warm DDP worker reach its first step quickly.
 WARM_PRELOAD = "torch,torch._dynamo"
@@ -64,6 +67,9 @@ class Settings:
     ckpt_every: int = 25
     fault_after_s: float = 1.5  # goodput: kill (cycle 0) and hang (cycle 1) this long
     # after the cycle's first step
+    # goodput on a fixed schedule instead: the kill and the hang this many seconds after
+    # cycle 0's first step (empty: fault_after_s after each cycle's first step)
+    fault_at_s: tuple[float, ...] = ()
     goodput_bound_s: float = 50.0  # wall-clock limit of a run under faults
     light: bool = False  # smoke only: the training without torch (workload.py --light)
     warm_preload: str = WARM_PRELOAD  # ours-warm's --ft-preload
@@ -99,8 +105,11 @@ class Launchers:
                     init]
             if name == WARM:
                 head += ["--ft-warm-restart", "--ft-preload", preload]
-            if name == "ours" and ours_preload is not None:
+            if name in ("ours", SNAP) and ours_preload is not None:
                 head += ["--ft-preload", ours_preload]
+            if name == SNAP:
+                head += ["--ft-snapshot-every", "1"]
+                workload_args = [*workload_args, "--snapshots"]
             if name in (COLD, STORE):
                 head += ["--no-ft-warm-restart"]
             if name == STORE:
@@ -483,19 +492,23 @@ def clean(ctx: Context, launcher: str, tag: str) -> Result:
                 "note": f"fault-free run did not finish (exit {run.exit_code}, "
                         f"{len(done)}/{s.nproc} ranks done)"}
     assert run.t_exit is not None
+    # one step's wall time, first step to done, and so how often a checkpoint came
+    step_s = (max(r["t"] for r in done) - startup - run.t_start) / max(1, s.train_steps - 1)
     return {"startup_s": round(startup, 4), "spawn_s": round(spawn, 4),
             "wall_s": round(run.t_exit - run.t_start, 4),
-            "exit_s": round(run.t_exit - max(r["t"] for r in done), 4)}
+            "exit_s": round(run.t_exit - max(r["t"] for r in done), 4),
+            "step_s": round(step_s, 5), "ckpt_interval_s": round(step_s * s.ckpt_every, 2)}
 
 
 # -- 6. goodput under faults ----------------------------------------------------------
 
 
 def faulted(ctx: Context, launcher: str, tag: str) -> Result:
-    """The fixed training with a kill in cycle 0 and a hang in cycle 1, bounded in time.
+    """The fixed training with a kill in cycle 0 and a hang in cycle 1, bounded in time;
+    ``lost``: per fault, the step rank 1 had reached and where the next cycle resumed.
 
     ours-warm gets each fault only once every local rank has a ready standby (later than
-    ``fault_after_s`` when the standbys are still importing); a run whose standbys are not
+    planned when the standbys are still importing); a run whose standbys are not
     ready in time, or whose restarts were not all warm, has no goodput figure."""
     s = ctx.settings
     workdir = ctx.root / tag
@@ -503,16 +516,20 @@ def faulted(ctx: Context, launcher: str, tag: str) -> Result:
     steps: list[str] = []
     ft = FtEvents(run_dir_events(ctx, tag)) if launcher == WARM else None
     extra: Result = {}
-    with ctx.run(tag, launcher, s.nproc, 3, ctx.train_args(s.train_steps, workdir / "ckpt")
-                 ) as run:
+    mark = workdir / "hb_mark_{rank}"
+    args = [*ctx.train_args(s.train_steps, workdir / "ckpt"), "--hb-mark", str(mark)]
+    at_fault: list[tuple[int | None, frozenset[int]]] = []  # (victim's step, pids so far)
+    with ctx.run(tag, launcher, s.nproc, 3, args) as run:
         deadline = time.monotonic() + bound
         seen: set[int] = set()
-        for fault in (signal.SIGKILL, signal.SIGSTOP):
+        t_zero: float | None = None
+        for index, fault in enumerate((signal.SIGKILL, signal.SIGSTOP)):
             left = deadline - time.monotonic()
             if not run.wait(lambda ex=frozenset(seen): _all_started(run, s.nproc, ex), left):
                 break
             t_first = max(r["t"] for r in run.first_steps(frozenset(seen)).values())
-            run.sleep_until(t_first + s.fault_after_s)
+            t_zero = t_first if t_zero is None else t_zero
+            run.sleep_until(fault_time(s, index, t_zero, t_first))
             if ft is not None:
                 left = min(s.standby_bound_s, deadline - time.monotonic())
                 waited = _wait_standbys(run, ft, s.nproc, max(0.0, left))
@@ -526,12 +543,16 @@ def faulted(ctx: Context, launcher: str, tag: str) -> Result:
             if len(run.events("done")):
                 steps.append(f"{signal.Signals(fault).name} missed: training already done")
                 break
-            run.signal_worker(run.pid_of(1), fault)
+            victim = run.pid_of(1)
+            at_fault.append((_step_reached(run, mark, victim), frozenset(seen)))
+            run.signal_worker(victim, fault)
             steps.append(signal.Signals(fault).name)
         run.wait_exit(max(0.0, deadline - time.monotonic()))
         if ft is not None:
             sent = [x for x in steps if x in ("SIGKILL", "SIGSTOP")]  # one restart each
             extra["warm"] = [_restart_warm_flags(run, ft, c) for c in range(1, len(sent) + 1)]
+    extra["lost"] = [work_lost(run.events("first_step"), step, before)
+                     for step, before in at_fault]
     finished = run.exit_code == 0 and len(run.events("done")) >= s.nproc \
         and run.t_exit is not None and run.t_exit - run.t_start <= bound
     if not finished:
@@ -544,6 +565,42 @@ def faulted(ctx: Context, launcher: str, tag: str) -> Result:
         out["cold_wall_s"] = out.pop("wall_s")
         out.update(wall_s=None, note=f"a restart was not warm (warm={extra['warm']})")
     return out
+
+
+def fault_time(s: Settings, index: int, t_zero: float, t_cycle: float) -> float:
+    """When goodput's fault ``index`` (0: the kill, 1: the hang) is sent, in unix time:
+    ``fault_at_s[index]`` after cycle 0's first step ``t_zero`` (not before the current
+    cycle's first step ``t_cycle``), or, without ``fault_at_s``, ``fault_after_s`` after
+    ``t_cycle``."""
+    if s.fault_at_s:
+        return max(t_cycle, t_zero + s.fault_at_s[index])
+    return t_cycle + s.fault_after_s
+
+
+def _step_reached(run: Run, mark: Path, victim: int) -> int | None:
+    """The last step ``victim`` finished: its cycle's first step, plus the heartbeats (one
+    a step) its --hb-mark counted after it, less one; None when either is missing."""
+    firsts = [r for r in run.events("first_step") if r["pid"] == victim]
+    got = read_mark(Path(str(mark).replace("{rank}", str(firsts[0]["rank"])))) \
+        if firsts else None
+    if got is None or not isinstance(firsts[0].get("step"), int):
+        return None
+    return firsts[0]["step"] - 1 + got[0]
+
+
+def work_lost(first_steps: list[dict[str, Any]], reached: int | None,
+              before: frozenset[int]) -> dict[str, Any] | None:
+    """What one fault cost in steps: the step reached when it came, where the next cycle
+    (the earliest first step of a process not in ``before``) resumed and from what, and the
+    difference (``redone``); None when either end is unknown (no next cycle)."""
+    later = [r for r in first_steps if r.get("pid") not in before
+             and isinstance(r.get("step"), int)]
+    if reached is None or not later:
+        return None
+    nxt = min(later, key=lambda r: r["t"])
+    resumed = nxt["step"] - 1
+    return {"reached": reached, "resumed_from": resumed, "source": nxt.get("source"),
+            "redone": reached - resumed}
 
 
 # -- 5. footprint ---------------------------------------------------------------------

@@ -7,10 +7,14 @@ from dataclasses import dataclass
 from typing import Any
 
 WARM = "ours-warm"  # ours with warm restart; compared with ours (cold) and the others
+SNAP = "ours-snap"  # ours with a snapshot every step; compared with ours and the others
+VARIANTS = (WARM, SNAP)  # each has its own table of ratios, out of ours' columns
 LAUNCHER_TITLES = {"ours": "ours", WARM: "ours-warm", "ours-cold": "ours-cold",
-                   "torchrun": "torchrun", "nvrx": "NVRx 0.4.1"}
+                   SNAP: "ours-snap", "torchrun": "torchrun", "nvrx": "NVRx 0.4.1"}
 # Which ratios are taken: base launcher -> the key its ratios go under in a summary row.
-RATIO_KEYS = {"ours": "ratio_vs_ours", WARM: "ratio_vs_ours_warm"}
+RATIO_KEYS = {"ours": "ratio_vs_ours", WARM: "ratio_vs_ours_warm", SNAP: "ratio_vs_ours_snap"}
+# The snapshot goodput target: every run of ours-snap at least this.
+SNAP_GOODPUT = 0.95
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,10 @@ METRICS = [
            better="higher"),
     Metric("goodput", "faulted_wall_s", "wall time with a kill and a hang", "s"),
     Metric("goodput", "clean_wall_s", "wall time fault-free", "s"),
+    Metric("goodput", "redone_kill", "steps redone after the kill (step reached − step "
+           "resumed from)", "steps", ratio=False, digits=0),
+    Metric("goodput", "redone_hang", "steps redone after the hang, same", "steps",
+           ratio=False, digits=0),
 ]
 
 
@@ -87,9 +95,10 @@ def summarize(metric: Metric, raw: dict[str, list[dict[str, Any]]]) -> dict[str,
     for base, key in RATIO_KEYS.items():
         if base not in raw:
             continue
+        out.setdefault(key, {})
         for launcher, results in raw.items():
-            # ours' ratios leave ours-warm out: ours-warm has its own row of ratios.
-            if launcher in (base, WARM):
+            # ours' ratios leave the variants out: each has its own row of ratios.
+            if launcher == base or launcher in VARIANTS:
                 continue
             entry = _pair_ratios(metric, raw[base], results)
             if entry is not None:
@@ -160,6 +169,30 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 out.append({"target": f"{what} with warm restart (ours-warm) ahead of "
                                       f"{title} (median per-pair ratio > 1)",
                             "value": round(r, 2), "met": r > 1})
+    return out + snapshot_targets(by_key.get(("goodput", "goodput")))
+
+
+def snapshot_targets(row: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """ours-snap's goodput: at least SNAP_GOODPUT in every run, and ahead of torchrun and
+    NVRx in every pair of runs (a run without a figure fails both)."""
+    mine = row["summary"].get(SNAP) if row else None
+    if row is None or mine is None:
+        return []
+    worst = min(mine["samples"], key=lambda v: -1.0 if v is None else v)
+    out = [{"target": f"goodput with a snapshot every step (ours-snap) at least "
+                      f"{SNAP_GOODPUT} in every run (worst run)",
+            "value": None if worst is None else round(worst, 3),
+            "met": worst is not None and worst >= SNAP_GOODPUT}]
+    for other in ("torchrun", "nvrx"):
+        if other not in row["summary"]:
+            continue
+        r = row.get(RATIO_KEYS[SNAP], {}).get(other)
+        pairs = row["summary"][other]["n"]
+        low = None if r is None else round(r["min"], 2)
+        out.append({"target": f"goodput with a snapshot every step (ours-snap) ahead of "
+                              f"{LAUNCHER_TITLES[other]} in every pair (lowest ratio)",
+                    "value": low,
+                    "met": r is not None and r["n"] == pairs and r["min"] > 1})
     return out
 
 
@@ -214,25 +247,32 @@ def behind(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-def _warm_table(doc: dict[str, Any], launchers: list[str], repeat: int) -> list[str]:
-    """ours-warm's per-pair ratios against ours (cold) and the others, on the rows where it
-    was measured; nothing when it was not run."""
-    if WARM not in launchers:
+VARIANT_TABLES = {WARM: ("Warm restart: ours-warm against the others", "ours (cold)"),
+                  SNAP: ("Snapshots: ours-snap against the others", "ours")}
+
+
+def _variant_table(doc: dict[str, Any], launchers: list[str], repeat: int, base: str
+                   ) -> list[str]:
+    """A variant's (ours-warm's, ours-snap's) per-pair ratios against ours and the others,
+    on the rows where it was measured; nothing when it was not run."""
+    if base not in launchers:
         return []
-    others = [x for x in launchers if x != WARM]
-    rows = [r for r in doc["metrics"] if WARM in r["summary"]]
+    title, ours_title = VARIANT_TABLES[base]
+    others = [x for x in launchers if x not in VARIANTS]
+    rows = [r for r in doc["metrics"] if base in r["summary"]]
     if not rows:
         return []
-    head = ["measure", "unit", "ours-warm",
-            *("ours-warm ahead of ours (cold)" if x == "ours" else
-              f"ours-warm ahead of {LAUNCHER_TITLES[x]}" for x in others)]
-    out = ["", "## Warm restart: ours-warm against the others", "",
+    name = LAUNCHER_TITLES[base]
+    head = ["measure", "unit", name,
+            *(f"{name} ahead of {ours_title if x == 'ours' else LAUNCHER_TITLES[x]}"
+              for x in others)]
+    out = ["", f"## {title}", "",
            "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
         metric = next(x for x in METRICS if (x.measure, x.key) == (row["measure"],
                                                                     row["metric"]))
-        cells = [row["label"], row["unit"] or "ratio", _cell(row["summary"][WARM], metric)]
-        cells += [_ratio_cell(row.get("ratio_vs_ours_warm", {}).get(x), repeat)
+        cells = [row["label"], row["unit"] or "ratio", _cell(row["summary"][base], metric)]
+        cells += [_ratio_cell(row.get(RATIO_KEYS[base], {}).get(x), repeat)
                   if metric.ratio else "n/a" for x in others]
         out.append("| " + " | ".join(cells) + " |")
     return out
@@ -241,8 +281,12 @@ def _warm_table(doc: dict[str, Any], launchers: list[str], repeat: int) -> list[
 def markdown(doc: dict[str, Any]) -> str:
     """The results page: date, machine, command, the table, targets and notes."""
     launchers = doc["launchers"]
-    others = [x for x in launchers if x not in ("ours", WARM)]
+    # ours' columns of ratios, when ours ran
+    others = [x for x in launchers if x not in ("ours", *VARIANTS)] \
+        if "ours" in launchers else []
     repeat = doc["settings"]["repeat"]
+    variants = "in a variant's own table: ours-warm, ours-snap" if SNAP in launchers else \
+        "in the second table: ours-warm"
     m = doc["machine"]
     lines = [
         "# Benchmark: ft_launcher vs torchrun vs NVRx",
@@ -254,8 +298,8 @@ def markdown(doc: dict[str, Any]) -> str:
         f"- command: `{doc['command']}`",
         f"- {doc['settings']['repeat']} runs per launcher and measure, interleaved; "
         f"cells are median (min–max) over runs; ratios are taken per pair of runs of the "
-        f"same repeat, then median (min–max); a ratio > 1 means ours (in the second table: "
-        f"ours-warm) is better. — : not measured for that launcher (see the notes below).",
+        f"same repeat, then median (min–max); a ratio > 1 means ours ({variants}) is "
+        f"better. — : not measured for that launcher (see the notes below).",
         "",
     ]
     head = ["measure", "unit", *(LAUNCHER_TITLES[x] for x in launchers),
@@ -269,7 +313,8 @@ def markdown(doc: dict[str, Any]) -> str:
         cells += [_ratio_cell(row["ratio_vs_ours"].get(x), repeat)
                   if metric.ratio else "n/a" for x in others]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += _warm_table(doc, launchers, repeat)
+    for base in VARIANTS:
+        lines += _variant_table(doc, launchers, repeat, base)
     if doc["targets"]:
         lines += ["", "## Targets", "", "| target | value | met |", "|---|---|---|"]
         for t in doc["targets"]:

@@ -8,7 +8,9 @@ What the driver reads is appended, one JSON object per line, to the file named b
 ``--events`` (small ``O_APPEND`` writes, so ranks never interleave within a line):
 
 - ``{"ev": "pid", ...}`` once per process, before anything slow, so the driver can signal it;
-- ``{"ev": "first_step", "t": <unix time>, ...}`` after the first training step of a process;
+- ``{"ev": "first_step", "t": <unix time>, "step": <n>, "source": ...}`` after the first
+  training step of a process (``source``: where it resumed from: ``snapshot``, ``disk`` or
+  ``none``);
 - ``{"ev": "ready", ...}`` (idle mode) after the first heartbeat;
 - ``{"ev": "hb_stats", ...}`` (heartbeat mode) the per-call cost of ``send_heartbeat()``;
 - ``{"ev": "done", ...}`` when the training finished.
@@ -17,7 +19,8 @@ Every record carries ``rank``, ``cycle`` and ``pid``. The same facts go to stdou
 each (``FIRST_STEP <unix time> rank=<r> cycle=<c>``), flushed, for a person reading the log.
 
 Modes: ``train`` (DDP steps, checkpoint every ``--ckpt-every`` steps, resume after a restart;
-``--sections``: each step in a ``compute`` section),
+``--sections``: each step in a ``compute`` section; ``--snapshots``: with ``--client ours``,
+also an in-memory snapshot every step, restored before the disk checkpoint),
 ``heartbeat`` (time ``--calls`` heartbeats and exit) and ``idle`` (heartbeat at ``--hz`` for
 ``--duration`` seconds, no compute: the footprint measure).
 """
@@ -29,6 +32,7 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +57,10 @@ def parse_args() -> argparse.Namespace:
                    help="train mode: after each send_heartbeat() returns, write 'count "
                         "call_time return_time' (unix seconds) over this file ({rank}: the "
                         "rank), for a driver that stops the rank right after a call")
+    p.add_argument("--snapshots", action="store_true",
+                   help="train mode, --client ours: offer the client a snapshot of the model, "
+                        "the optimizer and the step after every step, and resume from "
+                        "client.restore() when it returns one, before the disk checkpoint")
     p.add_argument("--light", action="store_true",
                    help="train mode without torch: a step is the sleep alone, the checkpoint a "
                         "JSON file (the smoke test's quick variant; the benchmark never uses it)")
@@ -191,6 +199,28 @@ class HeartbeatMark:
             os.pwrite(self.fd, line.encode(), 0)
 
 
+def resume_point(client: Any, snapshots: bool, disk: Callable[[], tuple[Any, int] | None]
+                 ) -> tuple[Any, int, str]:
+    """(state, step, source) a cycle resumes from: the in-memory snapshot the client restores
+    (``snapshots``; a client without ``restore`` has none), else ``disk()``'s checkpoint,
+    else nothing (``None, 0, "none"``)."""
+    restored = client.restore() if snapshots and hasattr(client, "restore") else None
+    if restored is not None:
+        state, step = restored
+        return state, int(step), "snapshot"
+    found = disk()
+    if found is not None:
+        return found[0], found[1], "disk"
+    return None, 0, "none"
+
+
+def offer_snapshot(client: Any, snapshots: bool, state: Callable[[], Any], step: int) -> None:
+    """Hand the client this step's state (its --ft-snapshot-every decides whether it is
+    taken; the state is built only when snapshots are on)."""
+    if snapshots and hasattr(client, "snapshot"):
+        client.snapshot(state(), step)
+
+
 def run_train(client: Any, record: Recorder, args: argparse.Namespace) -> None:
     """DDP training that checkpoints every ``--ckpt-every`` steps and resumes from it."""
     import torch
@@ -207,12 +237,17 @@ def run_train(client: Any, record: Recorder, args: argparse.Namespace) -> None:
     ckpt = Path(args.ckpt_dir) / "ckpt.pt" if args.ckpt_dir else None
     if ckpt is not None:
         ckpt.parent.mkdir(parents=True, exist_ok=True)
-    start = 0
-    if ckpt is not None and ckpt.exists():
-        state = torch.load(ckpt, weights_only=True)
+
+    def disk() -> tuple[Any, int] | None:
+        if ckpt is None or not ckpt.exists():
+            return None
+        saved = torch.load(ckpt, weights_only=True)
+        return saved, saved["step"]
+
+    state, start, source = resume_point(client, args.snapshots, disk)
+    if state is not None:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
-        start = state["step"]
     ddp = DistributedDataParallel(model) if world > 1 else model
     gen = torch.Generator().manual_seed(record.rank)
     sections = args.sections and hasattr(client, "start_section")
@@ -226,12 +261,14 @@ def run_train(client: Any, record: Recorder, args: argparse.Namespace) -> None:
         loss.backward()
         opt.step()
         if step == start + 1:
-            record("first_step", step=step)
+            record("first_step", step=step, source=source)
         if args.step_time:
             time.sleep(args.step_time)
         if sections:
             client.end_section("compute")
         heartbeat()
+        offer_snapshot(client, args.snapshots,
+                       lambda: {"model": model.state_dict(), "opt": opt.state_dict()}, step)
         if ckpt is not None and (step % args.ckpt_every == 0 or step == args.steps):
             if record.rank == 0:
                 tmp = ckpt.with_suffix(".tmp")
@@ -248,18 +285,26 @@ def run_train(client: Any, record: Recorder, args: argparse.Namespace) -> None:
 def run_light(client: Any, record: Recorder, args: argparse.Namespace) -> None:
     """The train mode's control flow without torch: steps, checkpoints, resume, records."""
     ckpt = Path(args.ckpt_dir) / "light.json" if args.ckpt_dir else None
-    start = json.loads(ckpt.read_text())["step"] if ckpt is not None and ckpt.exists() else 0
+
+    def disk() -> tuple[Any, int] | None:
+        if ckpt is None or not ckpt.exists():
+            return None
+        step = json.loads(ckpt.read_text())["step"]
+        return {"step": step}, step
+
+    _, start, source = resume_point(client, args.snapshots, disk)
     sections = args.sections and hasattr(client, "start_section")
     heartbeat = HeartbeatMark(client, args.hb_mark, record.rank)
     for step in range(start + 1, args.steps + 1):
         if sections:
             client.start_section("compute")
         if step == start + 1:
-            record("first_step", step=step)
+            record("first_step", step=step, source=source)
         time.sleep(args.step_time)
         if sections:
             client.end_section("compute")
         heartbeat()
+        offer_snapshot(client, args.snapshots, lambda s=step: {"step": s}, step)
         if ckpt is not None and record.rank == 0 and (
                 step % args.ckpt_every == 0 or step == args.steps):
             ckpt.parent.mkdir(parents=True, exist_ok=True)

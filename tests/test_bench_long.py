@@ -1,0 +1,172 @@
+"""The long goodput schedule and ours-snap in the benchmark driver: settings, argv, the fault
+times, the work lost per fault, the targets. Pure logic, nothing started."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts" / "bench"))
+import bench  # noqa: E402
+import measures  # noqa: E402
+import report  # noqa: E402
+import workload  # noqa: E402
+
+
+def test_ours_snap_is_ours_with_a_snapshot_every_step() -> None:
+    lnch = measures.Launchers(ours=["ft_launcher"])
+    ours = lnch.argv("ours", 2, 3, Path("/w"), ["--mode", "train"])
+    snap = lnch.argv("ours-snap", 2, 3, Path("/w"), ["--mode", "train"])
+    i = snap.index("--ft-snapshot-every")
+    assert snap[i:i + 2] == ["--ft-snapshot-every", "1"]
+    assert snap[:i] == ours[:i]
+    # the same workload and client, plus the workload's --snapshots
+    assert snap[i + 2:] == [*ours[i:], "--snapshots"]
+    assert "--client" in snap and snap[snap.index("--client") + 1] == "ours"
+    # the smoke's preload for ours applies to ours-snap too (ours with its defaults)
+    smoke = lnch.argv("ours-snap", 2, 3, Path("/w"), [], ours_preload="json")
+    assert smoke[smoke.index("--ft-preload") + 1] == "json"
+    # the others keep disk checkpoints only
+    lnch.nvrx = ["nvrx_launcher"]
+    for other in ("torchrun", "nvrx", "ours", "ours-warm"):
+        argv = lnch.argv(other, 2, 3, Path("/w"), ["--mode", "train"])
+        assert "--snapshots" not in argv and "--ft-snapshot-every" not in argv, other
+
+
+def test_ours_snap_runs_only_in_the_fixed_training_and_only_when_asked() -> None:
+    assert "ours-snap" not in bench.ALL_LAUNCHERS  # the default run is unchanged
+    every = list(bench.LAUNCHER_CHOICES)
+    for kind in ("clean", "faulted"):
+        assert "ours-snap" in bench.launchers_for(kind, every), kind
+    for kind in ("heartbeat", "hang", "crash", "footprint", "training", "verdict"):
+        assert "ours-snap" not in bench.launchers_for(kind, every), kind
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    return bench.parse_args(list(argv))
+
+
+def test_long_selects_goodput_for_ours_snap_torchrun_and_nvrx() -> None:
+    assert bench._selection(_args("--long")) == (
+        ["goodput"], ["ours-snap", "torchrun", "nvrx"], "long")
+    assert bench._selection(_args("--long", "--launchers", "nvrx,ours-snap,ours")) == (
+        ["goodput"], ["ours", "ours-snap", "nvrx"], "long")
+    assert bench._selection(_args()) == (list(bench.ALL_MEASURES), list(bench.ALL_LAUNCHERS),
+                                         "full")
+    with pytest.raises(SystemExit, match="choose one"):
+        bench._selection(_args("--long", "--smoke"))
+
+
+def test_the_long_profile_trains_five_minutes_with_faults_at_a_third_and_two_thirds() -> None:
+    s = bench.PROFILES["long"]
+    sleep_s = s.train_steps * s.step_time  # a lower bound of the fault-free training
+    assert sleep_s >= 300
+    kill, hang = s.fault_at_s
+    # ~1/3 and ~2/3 of a training of ~26 ms a step (the sleep and the DDP step here)
+    expected_s = s.train_steps * 0.026
+    assert kill == pytest.approx(expected_s / 3, rel=0.1)
+    assert hang == pytest.approx(2 * expected_s / 3, rel=0.1) and hang < sleep_s
+    # a few disk checkpoints in the run, the first before the kill
+    assert s.ckpt_every * s.step_time < kill and s.train_steps // s.ckpt_every >= 4
+    # room for a slow launcher's restarts, yet torchrun (which never sees the hang) ends
+    assert 1.3 * sleep_s < s.goodput_bound_s < 3 * sleep_s
+    assert not bench.PROFILES["full"].fault_at_s  # the short measure keeps its schedule
+    notes = " ".join(bench.method(s))
+    assert "130 s after the first step of cycle 0" in notes and "260 s after it" in notes
+    assert "lost node is out of scope" in notes and "--ft-snapshot-every 1" in notes
+
+
+def test_fault_times_fixed_from_cycle_0_or_after_each_cycle() -> None:
+    fixed = measures.Settings(fault_at_s=(100.0, 200.0))
+    assert measures.fault_time(fixed, 0, 1000.0, 1000.0) == 1100.0
+    assert measures.fault_time(fixed, 1, 1000.0, 1105.0) == 1200.0
+    # a cycle that took its first step after the planned time gets the fault at once
+    assert measures.fault_time(fixed, 1, 1000.0, 1230.0) == 1230.0
+    per_cycle = measures.Settings(fault_after_s=1.5)
+    assert measures.fault_time(per_cycle, 1, 1000.0, 1105.0) == 1106.5
+
+
+def _first(pid: int, rank: int, t: float, step: int, source: str) -> dict:
+    return {"ev": "first_step", "pid": pid, "rank": rank, "t": t, "step": step,
+            "source": source}
+
+
+def test_work_lost_is_the_step_reached_less_where_the_next_cycle_resumed() -> None:
+    firsts = [_first(10, 0, 1.0, 1, "none"), _first(11, 1, 1.0, 1, "none"),
+              _first(20, 0, 9.0, 401, "disk"), _first(21, 1, 9.1, 401, "disk"),
+              _first(30, 0, 20.0, 777, "snapshot"), _first(31, 1, 20.0, 777, "snapshot")]
+    cycle0 = frozenset({10, 11})
+    assert measures.work_lost(firsts, 460, cycle0) == {
+        "reached": 460, "resumed_from": 400, "source": "disk", "redone": 60}
+    assert measures.work_lost(firsts, 777, cycle0 | {20, 21}) == {
+        "reached": 777, "resumed_from": 776, "source": "snapshot", "redone": 1}
+    # no next cycle (torchrun never restarts a hung rank), or the step unknown
+    assert measures.work_lost(firsts, 800, frozenset({10, 11, 20, 21, 30, 31})) is None
+    assert measures.work_lost(firsts, None, cycle0) is None
+
+
+def test_resume_point_falls_back_to_disk_then_to_the_start() -> None:
+    no_client = workload._NoClient()  # torchrun's: no restore(), so never a snapshot
+    assert workload.resume_point(no_client, True, lambda: ({"step": 50}, 50)) == (
+        {"step": 50}, 50, "disk")
+    assert workload.resume_point(no_client, False, lambda: None) == (None, 0, "none")
+    workload.offer_snapshot(no_client, True, lambda: pytest.fail("state built"), 3)
+
+
+def _goodput(samples: dict[str, list[float | None]], bounded: tuple[str, ...] = ()
+             ) -> dict:
+    metric = next(m for m in report.METRICS if m.key == "goodput")
+    raw = {x: [{"goodput": v, "bounded": ["goodput"] if x in bounded else []} for v in vs]
+           for x, vs in samples.items()}
+    return report.summarize(metric, raw)
+
+
+def test_ours_snap_has_its_own_ratios_and_targets() -> None:
+    row = _goodput({"ours-snap": [0.97, 0.96], "torchrun": [0.4, 0.4], "nvrx": [0.8, 0.9]},
+                   bounded=("torchrun",))
+    assert row["ratio_vs_ours_snap"]["nvrx"]["samples"] == [pytest.approx(0.97 / 0.8, 1e-3),
+                                                            pytest.approx(0.96 / 0.9, 1e-3)]
+    assert "ours-snap" not in row["ratio_vs_ours"]
+    got = {t["target"]: t for t in report.snapshot_targets(row)}
+    assert [t["met"] for t in got.values()] == [True, True, True]
+    worst = next(t for t in got.values() if "every run" in t["target"])
+    assert worst["value"] == 0.96
+
+    row = _goodput({"ours-snap": [0.97, None], "nvrx": [0.8, 0.9]})
+    got = report.snapshot_targets(row)
+    assert [t["met"] for t in got] == [False, False]  # a run without a figure fails both
+    row = _goodput({"ours-snap": [0.94, 0.99], "nvrx": [0.95, 0.5]})
+    assert [t["met"] for t in report.snapshot_targets(row)] == [False, False]
+    assert report.snapshot_targets(_goodput({"ours": [0.9]})) == []
+
+
+def test_the_page_shows_ours_snap_in_its_own_table() -> None:
+    row = _goodput({"ours-snap": [0.97], "torchrun": [0.4], "nvrx": [0.8]})
+    doc = {"launchers": ["ours-snap", "torchrun", "nvrx"], "settings": {"repeat": 1},
+           "machine": {"cpu_model": "cpu", "cpus": 2, "memory_gib": 1, "os": "Linux",
+                       "python": "3", "torch": "2", "loadavg_start": [0.0]},
+           "date": "d", "command": "python scripts/bench/bench.py --long", "metrics": [row],
+           "targets": report.targets([row]), "method": ["m"]}
+    text = report.markdown(doc)
+    assert "| measure | unit | ours-snap | torchrun | NVRx 0.4.1 |\n" in text  # no ours
+    assert "## Snapshots: ours-snap against the others" in text
+    assert "| measure | unit | ours-snap | ours-snap ahead of torchrun | " \
+           "ours-snap ahead of NVRx 0.4.1 |" in text
+    assert "| goodput with a snapshot every step (ours-snap) ahead of NVRx 0.4.1 in every " \
+           "pair (lowest ratio) | 1.21 | yes |" in text
+
+
+def test_steps_redone_per_fault_become_two_rows() -> None:
+    lost = [{"reached": 460, "resumed_from": 400, "source": "disk", "redone": 60}, None]
+    assert bench._redone(lost) == {"redone_kill": 60, "redone_hang": None}
+    assert bench._redone(None) == {"redone_kill": None, "redone_hang": None}
+    raw = {"clean": {"nvrx": [{"wall_s": 10.0, "ckpt_interval_s": 2.5}]},
+           "faulted": {"nvrx": [{"wall_s": 12.5, "bounded": [], "faults": ["SIGKILL"],
+                                 "lost": lost}]}}
+    row = bench._derive(raw, ["goodput"])["goodput"]["nvrx"][0]
+    assert row["goodput"] == 0.8 and row["redone_kill"] == 60 and row["lost"] == lost
+    assert row["ckpt_interval_s"] == 2.5
