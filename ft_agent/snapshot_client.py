@@ -32,7 +32,11 @@ EXIT_WAIT_S = 10.0
 
 @dataclass(frozen=True)
 class Frequency:
-    """Every ``steps`` iterations or every ``seconds`` of wall time."""
+    """Every ``steps`` iterations or every ``seconds`` of wall time, on a grid every rank
+    shares (multiples of ``steps``; multiples of ``seconds`` of the wall clock): the ranks
+    of a world, in step with each other through their collectives, snapshot the same
+    iterations, which is what a restore of the whole world needs, and a rank that had to
+    skip one (busy, budget) is back in phase at the next."""
 
     steps: int | None = None
     seconds: float | None = None
@@ -51,12 +55,16 @@ class Frequency:
             return None
 
     def due(self, iteration: int, now: float, last: tuple[int, float] | None) -> bool:
-        """Whether a snapshot of ``iteration`` is due, given the last (iteration, time)."""
+        """Whether a snapshot of ``iteration`` is due at wall time ``now``, given the last
+        (iteration, wall time): the first of a cycle, then the first at or past each
+        multiple of the grid."""
         if last is None:
             return True
         if self.steps is not None:
-            return iteration - last[0] >= self.steps
-        return now - last[1] >= (self.seconds or 0.0)
+            return iteration // self.steps > last[0] // self.steps
+        if not self.seconds:
+            return True
+        return now // self.seconds > last[1] // self.seconds
 
 
 @dataclass(frozen=True)
@@ -106,8 +114,8 @@ class SnapshotAgent:
         returning); the store's ``SnapshotStatus``, or None when not due."""
         from ft_agent import snapshot as store  # noqa: PLC0415 - torch on first use only
 
-        now = time.monotonic()
-        if not at_once and not self.settings.frequency.due(iteration, now, self.last):
+        now, wall = time.monotonic(), time.time()  # the grid is the wall clock's: shared
+        if not at_once and not self.settings.frequency.due(iteration, wall, self.last):
             return None
         if self.store is None:
             if self.broken:
@@ -131,7 +139,7 @@ class SnapshotAgent:
             self.store.wait()
             self._check_last_write()
         if status.started:
-            self.last = (iteration, now)
+            self.last = (iteration, wall)
         else:
             self._skipped(iteration, status.reason or "busy", status.bytes, now)
         return status

@@ -43,7 +43,8 @@ EVENTS: dict[str, EventDoc] = {
     # -- one cycle ----------------------------------------------------------------------
     "rendezvous_done": EventDoc(
         "cycle", "this node has its place in a world",
-        "group_rank, round, group_world_size, world_size, master_addr, master_port"),
+        "group_rank, round, group_world_size, world_size, master_addr, master_port, left "
+        "(nodes of this node's previous round missing from this one)"),
     "workers_started": EventDoc(
         "cycle", "the cycle's workers were started", "ranks, pids, device_map, warm"),
     "rank_connected": EventDoc(

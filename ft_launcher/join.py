@@ -70,7 +70,8 @@ class Joiner:
         world = rnd.group_world_size * self.cfg.nproc_per_node
         self.events("rendezvous_done", group_rank=rnd.group_rank, round=rnd.round,
                     group_world_size=rnd.group_world_size, world_size=world,
-                    master_addr=rnd.master_addr, master_port=rnd.master_port)
+                    master_addr=rnd.master_addr, master_port=rnd.master_port,
+                    left=list(rnd.left))
         return rnd
 
     def await_standbys(self, cycle: int) -> int | None:

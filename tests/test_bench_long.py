@@ -77,7 +77,17 @@ def test_the_long_profile_trains_five_minutes_with_faults_at_a_third_and_two_thi
     assert not bench.PROFILES["full"].fault_at_s  # the short measure keeps its schedule
     notes = " ".join(bench.method(s))
     assert "130 s after the first step of cycle 0" in notes and "260 s after it" in notes
-    assert "lost node is out of scope" in notes and "--ft-snapshot-every 1" in notes
+    assert "lost node is out of scope" in notes
+    # 200 MB per rank in every checkpoint and snapshot, ours-snap snapshotting once a second
+    assert s.state_mb == 200 and "200 MB of extra state per rank" in notes
+    assert "--ft-snapshot-every 1s" in notes
+    args = measures.Context(measures.Launchers(ours=["ft"]), s, Path("/r")).train_args(9)
+    assert args[args.index("--state-mb") + 1] == "200"
+    assert "--state-mb" not in measures.Context(measures.Launchers(ours=["ft"]),
+                                                bench.PROFILES["full"], Path("/r")).train_args(9)
+    snap = measures.Launchers(ours=["ft"]).argv("ours-snap", 2, 3, Path("/w"), [],
+                                                snapshot_every=s.snapshot_every)
+    assert snap[snap.index("--ft-snapshot-every") + 1] == "1s"
 
 
 def test_fault_times_fixed_from_cycle_0_or_after_each_cycle() -> None:
@@ -156,8 +166,41 @@ def test_the_page_shows_ours_snap_in_its_own_table() -> None:
     assert "## Snapshots: ours-snap against the others" in text
     assert "| measure | unit | ours-snap | ours-snap ahead of torchrun | " \
            "ours-snap ahead of NVRx 0.4.1 |" in text
-    assert "| goodput with a snapshot every step (ours-snap) ahead of NVRx 0.4.1 in every " \
+    assert "| goodput with in-memory snapshots (ours-snap) ahead of NVRx 0.4.1 in every " \
            "pair (lowest ratio) | 1.21 | yes |" in text
+
+
+def test_goodput_against_the_pair_charges_what_a_launcher_adds_to_every_step() -> None:
+    def run(clean: float | None, faulted: float, bounded: bool = False) -> tuple[dict, dict]:
+        return ({"wall_s": clean}, {"wall_s": faulted, "faults": [],
+                                    "bounded": ["wall_s"] if bounded else []})
+
+    runs = {"ours-snap": [run(105.0, 110.0), run(104.0, 112.0)],
+            "torchrun": [run(100.0, 600.0, bounded=True), run(None, 300.0)],
+            "nvrx": [run(101.0, 130.0), run(102.0, 120.0)]}
+    raw = {kind: {x: [r[i] for r in rs] for x, rs in runs.items()}
+           for i, kind in enumerate(("clean", "faulted"))}
+    rows = bench._derive(raw, ["goodput"])["goodput"]
+    snap, torchrun, nvrx = rows["ours-snap"], rows["torchrun"], rows["nvrx"]
+    # own reference: the snapshots' cost cancels out; the pair's: it is charged
+    assert snap[0]["goodput"] == round(105 / 110, 4)
+    assert snap[0]["goodput_pair"] == round(100 / 110, 4)
+    assert nvrx[0]["goodput_pair"] == round(100 / 130, 4)
+    # the fastest fault-free run of each repeat, whoever ran it (one without a wall skipped)
+    assert snap[1]["goodput_pair"] == round(102 / 112, 4)
+    # a faulted run at its bound: both goodputs are upper bounds
+    assert torchrun[0]["bounded"] == ["faulted_wall_s", "goodput", "goodput_pair"]
+    assert torchrun[1]["goodput"] is None and torchrun[1]["goodput_pair"] == round(102 / 300, 4)
+    metric = next(m for m in report.METRICS if m.key == "goodput_pair")
+    summary = report.summarize(metric, rows)
+    got = {t["target"]: t["met"] for t in report.targets([summary])}
+    assert got == {
+        "goodput_pair with in-memory snapshots (ours-snap) at least 0.95 in every run "
+        "(worst run)": False,
+        "goodput_pair with in-memory snapshots (ours-snap) ahead of torchrun in every pair "
+        "(lowest ratio)": True,
+        "goodput_pair with in-memory snapshots (ours-snap) ahead of NVRx 0.4.1 in every pair "
+        "(lowest ratio)": True}
 
 
 def test_steps_redone_per_fault_become_two_rows() -> None:

@@ -167,6 +167,37 @@ def test_a_crash_without_injection_dates_the_fault_at_the_death():
     assert c0["no_progress"] is False and c0["productive_s"] == pytest.approx(1.0)
 
 
+def test_ranks_that_fail_because_a_node_left_are_charged_to_another_node():
+    def survivor(left: list[str]) -> dict:
+        # this node's rank exits 1 (its collective broke); the next round lacks a node
+        s = Stream()
+        s.at(0, "launcher_started").at(0, "rendezvous_done", left=[])
+        s.at(0, "workers_started", ranks=[0, 1])
+        s.at(1, "first_step", rank=0, iteration=1).at(1, "first_step", rank=1, iteration=1)
+        s.at(5, "worker_exited", rank=0, exit_code=1, signal=None)
+        s.at(5.2, "decision", outcome="failed").restart(5.3)
+        s.at(9, "rendezvous_done", left=left).at(9, "workers_started", ranks=[0, 1])
+        s.at(10, "first_step", rank=0, iteration=1).at(10, "first_step", rank=1, iteration=1)
+        s.at(12, "launcher_exited", exit_code=0)
+        return ledger_of(s.records).summary()["attempts"][0]
+
+    lost = survivor(["10.0.0.2_4321_0"])
+    assert lost["cycles"][0]["cause"] == "another node"
+    assert lost["cycles"][0]["fault_source"] == "worker exit"
+    assert "exit 1" not in lost["lost_by_cause_s"]
+    # the same exit while every node stays: the rank's own failure
+    assert survivor([])["cycles"][0]["cause"] == "exit 1"
+    # the node that stalled and was dropped is not charged to the others leaving
+    s = Stream()
+    s.at(0, "launcher_started").at(0, "rendezvous_done", left=[])
+    s.at(0, "workers_started", ranks=[2, 3])
+    s.at(1, "first_step", rank=2, iteration=1).at(1, "first_step", rank=3, iteration=1)
+    s.at(30, "node_dropped", round=1, reason="keep-alive lapsed", frozen_s=25.0).restart(30.1)
+    s.at(40, "rendezvous_done", left=["10.0.0.3_99_0"]).at(41, "launcher_exited", exit_code=0)
+    c0 = ledger_of(s.records).summary()["attempts"][0]["cycles"][0]
+    assert c0["cause"] == "dropped from its round"
+
+
 def test_a_spares_wait_is_charged_to_waiting_as_a_spare_not_to_start_up():
     # a spare that waits 100 s, is admitted, trains 10 s and finishes; then one that is
     # never admitted (the job ended while it waited): all its run-up is spare time

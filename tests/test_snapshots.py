@@ -172,9 +172,16 @@ def test_frequency_in_steps_and_seconds():
     assert Frequency.parse("2.5s") == Frequency(seconds=2.5)
     assert Frequency.parse("0") is None and Frequency.parse("x") is None
     steps = Frequency(steps=3)
-    assert steps.due(1, 0.0, None) and not steps.due(3, 0.0, (1, 0.0)) and steps.due(4, 0, (1, 0))
+    assert steps.due(1, 0.0, None) and not steps.due(2, 0.0, (1, 0.0)) and steps.due(3, 0, (1, 0))
+    # on the grid of multiples: a rank that took 7 (6 came while it was busy) is due at 9
+    # with the others, not 3 steps after its late one
+    assert not steps.due(8, 0.0, (7, 0.0)) and steps.due(9, 0.0, (7, 0.0))
     secs = Frequency(seconds=2.0)  # the clock is injected: no sleeping
-    assert not secs.due(9, 101.0, (1, 100.0)) and secs.due(2, 102.0, (1, 100.0))
+    assert not secs.due(9, 101.9, (1, 100.5)) and secs.due(2, 102.0, (1, 100.5))
+    # two ranks whose last snapshots came at different times within one period are due at
+    # the same multiple of the wall clock
+    assert [secs.due(5, t, (1, 100.1)) for t in (101.99, 102.01)] == [False, True]
+    assert [secs.due(5, t, (2, 101.7)) for t in (101.99, 102.01)] == [False, True]
 
 
 def test_settings_from_env():
@@ -209,7 +216,7 @@ def agent(directory: Path, every: str = "1", memory: int | None = None,
 
 
 def test_agent_honours_frequency_and_reports_budget_skips(tmp_path):
-    a, sent = agent(tmp_path / "r0", every="2", memory=1000)
+    a, sent = agent(tmp_path / "r0", every="3", memory=1000)
     assert a.snapshot({"w": torch.zeros(10)}, 1).started
     assert a.snapshot({"w": torch.zeros(10)}, 2) is None  # not due
     a.store.wait()

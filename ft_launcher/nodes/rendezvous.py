@@ -88,6 +88,7 @@ class RoundInfo:
     master_port: int
     round: int = 0
     spare_wait_s: float | None = None  # set when this node waited as a hot spare first
+    left: tuple[str, ...] = ()  # nodes of this node's previous round not in this one
 
 
 @dataclass(frozen=True)
@@ -660,16 +661,17 @@ class DynamicRendezvous:
         self._round = (store, info.world_size)
         state = self.handler._state_holder.state
         round_no = self._round_no = state.round
-        self._members = frozenset(state.participants)
+        before, self._members = self._members, frozenset(state.participants)
+        left = tuple(sorted(str(n) for n in before - self._members))
         self._was_dropped = False
         if info.rank == 0:
             port = self.fixed_port or free_port("0.0.0.0")
             store.set(self.MASTER_KEY, f"{self.local_addr}:{port}")
-            return RoundInfo(0, info.world_size, self.local_addr, port, round_no)
+            return RoundInfo(0, info.world_size, self.local_addr, port, round_no, left=left)
         wait_s = max(30.0, self.timings.dead_after)
         store.wait([self.MASTER_KEY], timedelta(seconds=wait_s))
         addr, _, port_text = store.get(self.MASTER_KEY).decode().rpartition(":")
-        return RoundInfo(info.rank, info.world_size, addr, int(port_text), round_no)
+        return RoundInfo(info.rank, info.world_size, addr, int(port_text), round_no, left=left)
 
     def num_nodes_waiting(self) -> int:
         """Nodes waiting to join (a restart brings them in); spares are not counted.

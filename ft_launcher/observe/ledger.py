@@ -13,7 +13,8 @@ run add up to its wall time exactly::
     productive   first step of every rank -> fault (or end of training), less work lost
     work_lost    last checkpoint -> fault: training that has to be redone (the snapshot
                  the next cycle restored counts as a checkpoint of its step)
-    detection    fault -> detection (hang verdict, first failed exit, signal)
+    detection    fault -> detection (hang verdict, first failed exit, signal, nodes
+                 waiting or lost, this node dropped from its round)
     teardown     detection -> last worker exit
     other        the rest: decision and bookkeeping, or after the training's last step
 
@@ -79,6 +80,10 @@ class _Cycle:
     failed_exit: dict[str, Any] | None = None
     signal: dict[str, Any] | None = None
     peers_waiting: float | None = None
+    # A node of this cycle's round is missing from the next (its rendezvous_done.left): what
+    # ended this cycle here (ranks failing in a collective, a hang) followed from its loss.
+    lost_a_node: bool = False
+    dropped: float | None = None  # the others went on without this node (node_dropped)
     spare_since: float | None = None  # this node waited as a spare from then
     spare_until: float | None = None  # ... until it was admitted
     last_exit: float | None = None
@@ -103,7 +108,7 @@ class _Cycle:
 
     def detection(self) -> float | None:
         marks = [self.hang and self.hang["ts"], self.failed_exit and self.failed_exit["ts"],
-                 self.signal and self.signal["ts"], self.peers_waiting]
+                 self.signal and self.signal["ts"], self.peers_waiting, self.dropped]
         marks = [m for m in marks if m is not None]
         return min(marks) if marks else None
 
@@ -121,6 +126,10 @@ class _Cycle:
     def cause(self) -> str:
         if self.fault is not None:
             return f"injected {self.fault['type']}"
+        if self.dropped is not None:
+            return "dropped from its round"
+        if self.lost_a_node and self.signal is None:
+            return "another node"
         detected = self.detection()
         if self.hang is not None and detected == self.hang["ts"]:
             return f"hang ({self.hang['kind']} timeout)"
@@ -239,6 +248,10 @@ class Ledger:
 
     def _on_rendezvous_done(self, att, cyc, rec, ts) -> None:
         cyc.rendezvous_done = ts
+        left = rec.get("left")
+        earlier = [n for n in att.cycles if n < cyc.n]
+        if isinstance(left, list) and left and earlier:
+            att.cycles[max(earlier)].lost_a_node = True
 
     def _on_workers_started(self, att, cyc, rec, ts) -> None:
         cyc.workers_started = ts
@@ -317,6 +330,10 @@ class Ledger:
     def _on_peers_waiting(self, att, cyc, rec, ts) -> None:
         if cyc.peers_waiting is None:
             cyc.peers_waiting = ts
+
+    def _on_node_dropped(self, att, cyc, rec, ts) -> None:
+        if cyc.dropped is None:
+            cyc.dropped = ts
 
     def _on_spare_waiting(self, att, cyc, rec, ts) -> None:
         if cyc.spare_since is None:

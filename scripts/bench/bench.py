@@ -15,7 +15,7 @@ the same load; ratios are per pair.
 Launchers: ours (its defaults: warm restart on), ours-cold (--no-ft-warm-restart) and
 ours-warm (--ft-warm-restart --ft-preload torch,torch._dynamo), the last two only in crash,
 startup and goodput, where they start or restart differently; torchrun, nvrx. On request
-(--launchers), ours-snap: ours with an in-memory snapshot every step, in startup and goodput.
+(--launchers), ours-snap: ours with in-memory snapshots, in startup and goodput.
 
 --long: goodput only, on a long schedule (see PROFILES["long"]), for ours-snap, torchrun and
 nvrx unless --only / --launchers say otherwise.
@@ -61,7 +61,7 @@ ALL_MEASURES = ("heartbeat", "hang", "crash", "startup", "footprint", "training"
 # victim's last send_heartbeat() call (it is SIGSTOPped right after one returns).
 EXTRA_MEASURES = ("verdict",)
 ALL_LAUNCHERS = ("ours", measures.COLD, measures.WARM, "torchrun", "nvrx")
-# Run only when named in --launchers (or by --long): ours with a snapshot every step.
+# Run only when named in --launchers (or by --long): ours with in-memory snapshots.
 EXTRA_LAUNCHERS = (measures.SNAP,)
 LAUNCHER_CHOICES = ("ours", measures.COLD, measures.WARM, measures.SNAP, "torchrun", "nvrx")
 # Snapshots change what a restart resumes from: ours-snap runs only in the fixed training.
@@ -91,8 +91,11 @@ PROFILES: dict[str, Settings] = {
     # (15,000 steps of >= 20 ms; ~26 ms a step on the 2-CPU machine, so ~6.5 min); a disk
     # checkpoint every 2,300 steps (~60 s of training there; each fault-free run records its
     # ckpt_interval_s); the kill and the hang at ~1/3 and ~2/3 of the training.
+    # 200 MB of state per rank in every checkpoint and snapshot; ours-snap snapshots once a
+    # second, since copying 200 MB every ~26 ms step would take most of the machine.
     "long": Settings(repeat=3, train_steps=15_000, ckpt_every=2_300,
-                     fault_at_s=(130.0, 260.0), goodput_bound_s=600.0),
+                     fault_at_s=(130.0, 260.0), goodput_bound_s=600.0, state_mb=200,
+                     snapshot_every="1s"),
 }
 LONG_MEASURES = "goodput"
 LONG_LAUNCHERS = f"{measures.SNAP},torchrun,nvrx"
@@ -267,17 +270,24 @@ def _goodput_method(s: Settings) -> list[str]:
     else:
         when = (f"SIGKILL of rank 1 {s.fault_after_s:g} s after the first step of cycle 0, "
                 f"SIGSTOP of rank 1 {s.fault_after_s:g} s after the first step of cycle 1")
+    state = (f", {s.state_mb} MB of extra state per rank (the workload's --state-mb: a "
+             "float32 tensor changed every step, in every checkpoint and snapshot)"
+             if s.state_mb else "")
     return [
         f"goodput: a fixed training ({s.train_steps:,} steps of {s.step_time * 1000:g} ms "
-        f"of sleep each, a disk checkpoint every {s.ckpt_every:,} steps, resume from it; "
+        f"of sleep each{state}, a disk checkpoint every {s.ckpt_every:,} steps, resume "
+        "from it; "
         "each fault-free run records the checkpoint interval in seconds as "
         "ckpt_interval_s) run once fault-free and once with two faults (--max-restarts "
         f"3): {when}; "
         "ours-warm gets each fault at that time or, when later, once its standbys are ready "
         "(so it trains longer before each fault; the work lost is what follows the last "
         "checkpoint either way, and the whole training is the same). goodput "
-        "= the launcher's own fault-free wall ÷ its faulted wall; the faulted wall's ratio "
-        "is the goodput ratio against one common fault-free reference. A run that does not "
+        "= the launcher's own fault-free wall ÷ its faulted wall; goodput_pair = the "
+        "fastest fault-free wall of the same repeat, whoever ran it, ÷ this faulted wall, "
+        "so what a launcher adds to every step (ours-snap's snapshots) is charged to it; "
+        "its ratio between two launchers is the ratio of their faulted walls. "
+        "A run that does not "
         f"finish within {s.goodput_bound_s:g} s counts as that bound (marked ≤ / ≥). "
         "Work lost per fault (lost in the JSON): the step rank 1 had finished when the "
         "fault was sent (its cycle's first step plus its heartbeats since, from the "
@@ -285,9 +295,10 @@ def _goodput_method(s: Settings) -> list[str]:
         "what (snapshot, disk, none). A lost node is out of scope: this harness runs one "
         "node, so its faults are a killed and a stopped rank.",
         "ours-snap (only where named in --launchers, and in --long) = ours with its "
-        "defaults plus --ft-snapshot-every 1, and the workload's --snapshots: after every "
-        "step each rank offers client.snapshot() the model's and the optimizer's state "
-        "with the step, and a restarted cycle resumes from client.restore() when it "
+        f"defaults plus --ft-snapshot-every {s.snapshot_every}, and the workload's "
+        "--snapshots: after every step each rank offers client.snapshot() its training "
+        "state with the step (the launcher's option decides whether it is taken), and a "
+        "restarted cycle resumes from client.restore() when it "
         "returns a snapshot, before the disk checkpoint (which it keeps writing as the "
         "others do). torchrun and NVRx resume from the disk checkpoint only.",
     ]
@@ -387,7 +398,22 @@ def _derive(raw: dict[str, Any], selected: list[str]) -> dict[str, dict[str, lis
                     row["note"] = "; ".join(notes)
                 rows.append(row)
             out["goodput"][x] = rows
+        _goodput_against_pair(out["goodput"])
     return out
+
+
+def _goodput_against_pair(rows: dict[str, list[dict[str, Any]]]) -> None:
+    """Add ``goodput_pair``: the fastest fault-free wall of the same repeat, whoever ran it,
+    over this faulted wall. Unlike ``goodput`` (a launcher's own fault-free wall), it charges
+    what a launcher adds to every step, such as ours-snap's snapshots."""
+    for i in range(max((len(r) for r in rows.values()), default=0)):
+        pair = [r[i] for r in rows.values() if i < len(r)]
+        cleans = [row["clean_wall_s"] for row in pair if row["clean_wall_s"]]
+        for row in pair:
+            ok = cleans and row["faulted_wall_s"]
+            row["goodput_pair"] = round(min(cleans) / row["faulted_wall_s"], 4) if ok else None
+            if "goodput" in row["bounded"]:
+                row["bounded"] = [*row["bounded"], "goodput_pair"]
 
 
 def _redone(lost: list[dict[str, Any] | None] | None) -> dict[str, int | None]:

@@ -33,8 +33,8 @@ INITIAL_TIMEOUT_S = 120.0  # spawn -> first heartbeat: covers torch imports on a
 WARM = "ours-warm"  # ours with --ft-warm-restart: standby interpreters take over on a restart
 COLD = "ours-cold"  # ours with --no-ft-warm-restart: every worker a fresh interpreter
 STORE = "ours-store"  # cold, with --ft-agent-store: a store-only zygote hosts each cycle's store
-# ours with its defaults plus an in-memory snapshot every step (--ft-snapshot-every 1); its
-# workload snapshots each step and resumes from the snapshot before the disk checkpoint
+# ours with its defaults plus in-memory snapshots (--ft-snapshot-every, Settings.snapshot_every);
+# its workload offers a snapshot each step and resumes from one before the disk checkpoint
 SNAP = "ours-snap"
 OURS = ("ours", WARM, STORE, COLD, SNAP)
 # DDP imports torch._dynamo when it is built (~1.4 s here): preloading it too is what makes a
@@ -75,6 +75,8 @@ class Settings:
     warm_preload: str = WARM_PRELOAD  # ours-warm's --ft-preload
     ours_preload: str | None = None  # ours' --ft-preload (None: the launcher's default)
     standby_bound_s: float = 30.0  # ours-warm: how long a fault waits for ready standbys
+    state_mb: int = 0  # the training's extra state per rank, in checkpoints and snapshots
+    snapshot_every: str = "1"  # ours-snap's --ft-snapshot-every
 
 
 @dataclass
@@ -92,10 +94,10 @@ class Launchers:
 
     def argv(self, name: str, nproc: int, max_restarts: int, workdir: Path,
              workload_args: list[str], preload: str = WARM_PRELOAD,
-             ours_preload: str | None = None) -> list[str]:
+             ours_preload: str | None = None, snapshot_every: str = "1") -> list[str]:
         """The launcher's command line with the workload and the client that goes with it
         (``preload``: what ours-warm's standbys import; ``ours_preload``: ours', when not
-        the launcher's default)."""
+        the launcher's default; ``snapshot_every``: ours-snap's --ft-snapshot-every)."""
         n, r = str(nproc), str(max_restarts)
         hb, init = str(HB_TIMEOUT_S), str(INITIAL_TIMEOUT_S)
         if name in OURS:
@@ -108,7 +110,7 @@ class Launchers:
             if name in ("ours", SNAP) and ours_preload is not None:
                 head += ["--ft-preload", ours_preload]
             if name == SNAP:
-                head += ["--ft-snapshot-every", "1"]
+                head += ["--ft-snapshot-every", snapshot_every]
                 workload_args = [*workload_args, "--snapshots"]
             if name in (COLD, STORE):
                 head += ["--no-ft-warm-restart"]
@@ -150,7 +152,8 @@ class Context:
         workdir = self.root / tag
         argv = self.launchers.argv(launcher, nproc, max_restarts, workdir, workload_args,
                                    preload=self.settings.warm_preload,
-                                   ours_preload=self.settings.ours_preload)
+                                   ours_preload=self.settings.ours_preload,
+                                   snapshot_every=self.settings.snapshot_every)
         run = Run(name=tag, argv=argv, workdir=workdir, env=base_env(workdir))
         self.runs.append(run)
         return run
@@ -161,6 +164,8 @@ class Context:
                 "--ckpt-every", str(s.ckpt_every)]
         if ckpt_dir is not None:
             args += ["--ckpt-dir", str(ckpt_dir)]
+        if s.state_mb:
+            args += ["--state-mb", str(s.state_mb)]
         if s.light:
             args.append("--light")
         return args

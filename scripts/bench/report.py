@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 WARM = "ours-warm"  # ours with warm restart; compared with ours (cold) and the others
-SNAP = "ours-snap"  # ours with a snapshot every step; compared with ours and the others
+SNAP = "ours-snap"  # ours with in-memory snapshots; compared with ours and the others
 VARIANTS = (WARM, SNAP)  # each has its own table of ratios, out of ours' columns
 LAUNCHER_TITLES = {"ours": "ours", WARM: "ours-warm", "ours-cold": "ours-cold",
                    SNAP: "ours-snap", "torchrun": "torchrun", "nvrx": "NVRx 0.4.1"}
@@ -59,6 +59,8 @@ METRICS = [
     Metric("training", "sections_cpu_pct", "same, each step also in a section", "% of a core"),
     Metric("goodput", "goodput", "goodput: fault-free wall ÷ wall with a kill and a hang", "",
            better="higher"),
+    Metric("goodput", "goodput_pair", "goodput: the pair's fastest fault-free wall ÷ wall with "
+           "a kill and a hang (charges per-step costs such as snapshots)", "", better="higher"),
     Metric("goodput", "faulted_wall_s", "wall time with a kill and a hang", "s"),
     Metric("goodput", "clean_wall_s", "wall time fault-free", "s"),
     Metric("goodput", "redone_kill", "steps redone after the kill (step reached − step "
@@ -169,17 +171,20 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 out.append({"target": f"{what} with warm restart (ours-warm) ahead of "
                                       f"{title} (median per-pair ratio > 1)",
                             "value": round(r, 2), "met": r > 1})
-    return out + snapshot_targets(by_key.get(("goodput", "goodput")))
+    return out + snapshot_targets(by_key.get(("goodput", "goodput_pair"))
+                                  or by_key.get(("goodput", "goodput")))
 
 
 def snapshot_targets(row: dict[str, Any] | None) -> list[dict[str, Any]]:
-    """ours-snap's goodput: at least SNAP_GOODPUT in every run, and ahead of torchrun and
-    NVRx in every pair of runs (a run without a figure fails both)."""
+    """ours-snap's goodput (``row``: goodput_pair where the run has it, which charges the
+    snapshots' cost): at least SNAP_GOODPUT in every run, and ahead of torchrun and NVRx in
+    every pair of runs (a run without a figure fails both)."""
     mine = row["summary"].get(SNAP) if row else None
     if row is None or mine is None:
         return []
     worst = min(mine["samples"], key=lambda v: -1.0 if v is None else v)
-    out = [{"target": f"goodput with a snapshot every step (ours-snap) at least "
+    what = f"{row['metric']} with in-memory snapshots (ours-snap)"
+    out = [{"target": f"{what} at least "
                       f"{SNAP_GOODPUT} in every run (worst run)",
             "value": None if worst is None else round(worst, 3),
             "met": worst is not None and worst >= SNAP_GOODPUT}]
@@ -189,7 +194,7 @@ def snapshot_targets(row: dict[str, Any] | None) -> list[dict[str, Any]]:
         r = row.get(RATIO_KEYS[SNAP], {}).get(other)
         pairs = row["summary"][other]["n"]
         low = None if r is None else round(r["min"], 2)
-        out.append({"target": f"goodput with a snapshot every step (ours-snap) ahead of "
+        out.append({"target": f"{what} ahead of "
                               f"{LAUNCHER_TITLES[other]} in every pair (lowest ratio)",
                     "value": low,
                     "met": r is not None and r["n"] == pairs and r["min"] > 1})

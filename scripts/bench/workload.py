@@ -61,6 +61,10 @@ def parse_args() -> argparse.Namespace:
                    help="train mode, --client ours: offer the client a snapshot of the model, "
                         "the optimizer and the step after every step, and resume from "
                         "client.restore() when it returns one, before the disk checkpoint")
+    p.add_argument("--state-mb", type=int, default=0,
+                   help="train mode: this many MB of extra float32 state per rank, changed "
+                        "every step and kept in each checkpoint and snapshot (the cost of "
+                        "saving a large model without the compute of training one)")
     p.add_argument("--light", action="store_true",
                    help="train mode without torch: a step is the sleep alone, the checkpoint a "
                         "JSON file (the smoke test's quick variant; the benchmark never uses it)")
@@ -234,6 +238,11 @@ def run_train(client: Any, record: Recorder, args: argparse.Namespace) -> None:
     torch.manual_seed(1234)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    # outside the model: DDP would broadcast a buffer of the model at every step
+    ballast = torch.zeros(args.state_mb * 2**18)
+
+    def saved() -> dict[str, Any]:
+        return {"model": model.state_dict(), "opt": opt.state_dict(), "ballast": ballast}
     ckpt = Path(args.ckpt_dir) / "ckpt.pt" if args.ckpt_dir else None
     if ckpt is not None:
         ckpt.parent.mkdir(parents=True, exist_ok=True)
@@ -248,6 +257,7 @@ def run_train(client: Any, record: Recorder, args: argparse.Namespace) -> None:
     if state is not None:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
+        ballast.copy_(state["ballast"])
     ddp = DistributedDataParallel(model) if world > 1 else model
     gen = torch.Generator().manual_seed(record.rank)
     sections = args.sections and hasattr(client, "start_section")
@@ -260,6 +270,8 @@ def run_train(client: Any, record: Recorder, args: argparse.Namespace) -> None:
         opt.zero_grad()
         loss.backward()
         opt.step()
+        if ballast.numel():
+            ballast[step % ballast.numel()] += 1.0
         if step == start + 1:
             record("first_step", step=step, source=source)
         if args.step_time:
@@ -267,13 +279,11 @@ def run_train(client: Any, record: Recorder, args: argparse.Namespace) -> None:
         if sections:
             client.end_section("compute")
         heartbeat()
-        offer_snapshot(client, args.snapshots,
-                       lambda: {"model": model.state_dict(), "opt": opt.state_dict()}, step)
+        offer_snapshot(client, args.snapshots, saved, step)
         if ckpt is not None and (step % args.ckpt_every == 0 or step == args.steps):
             if record.rank == 0:
                 tmp = ckpt.with_suffix(".tmp")
-                torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
-                            "step": step}, tmp)
+                torch.save({**saved(), "step": step}, tmp)
                 os.replace(tmp, ckpt)  # a kill mid-save never leaves a torn checkpoint
             if world > 1:
                 dist.barrier()

@@ -19,6 +19,8 @@ import time
 
 import pytest
 
+from ft_launcher.observe.ledger import ledger_of
+
 from .conftest import Nodes, c10d_common, free_ports, read_jsonl, wait_until
 
 pytestmark = pytest.mark.slow
@@ -99,6 +101,12 @@ def test_a_frozen_node_is_dropped_and_once_thawed_writes_nothing_and_waits_as_sp
     summary = nodes.summary("b")
     assert "spare not needed" in summary["reason"], summary["reason"]
     assert summary["next_action"]["requeue"] is False
+    # The ledgers: a's cycle that b's freeze ended is charged to another node, b's own
+    # cycle to its being dropped.
+    a_cycles = ledger_of(nodes.events("a")).summary()["attempts"][0]["cycles"]
+    assert "another node" in [c["cause"] for c in a_cycles], a_cycles
+    b_cycles = ledger_of(nodes.events("b")).summary()["attempts"][0]["cycles"]
+    assert b_cycles[0]["cause"] == "dropped from its round", b_cycles[0]
 
     stale_pid = paused["pid"]
     exited = [e for e in nodes.events("b", "worker_exited") if e["pid"] == stale_pid]

@@ -13,6 +13,8 @@ import time
 
 import pytest
 
+from ft_launcher.observe.ledger import ledger_of
+
 from .conftest import Nodes, c10d_common, free_ports, wait_until
 
 pytestmark = pytest.mark.slow
@@ -77,7 +79,13 @@ def test_worker_failure_restarts_every_node_fast_and_a_lost_node_shrinks_the_wor
     assert first - killed < 30.0  # torch's timings: 45 s (15 s keep-alive + 30 s last call)
     nodes.stop_training()
     assert nodes.wait("a", 60) == 0, nodes.log("a")
-    assert [e["world_size"] for e in nodes.events("a", "rendezvous_done")][-1] == 1
+    rounds = nodes.events("a", "rendezvous_done")
+    assert rounds[-1]["world_size"] == 1
+    # the round after the kill names the node that left, and the ledger charges what
+    # node a lost (its rank failing or waiting in a collective) to that node
+    assert [len(r["left"]) for r in rounds] == [0] * (len(rounds) - 1) + [1], rounds
+    cycles = ledger_of(nodes.events("a")).summary()["attempts"][0]["cycles"]
+    assert cycles[-2]["cause"] == "another node", cycles[-2]
 
 
 @pytest.mark.timeout(300)
