@@ -419,6 +419,11 @@ def _unreachable_types() -> tuple[type[BaseException], ...]:
     return tuple(types)
 
 
+def gone(members: frozenset[Any], state: Any) -> tuple[str, ...]:
+    """The nodes of ``members`` (a round's participants) that ``state``'s round lacks."""
+    return tuple(sorted(str(n) for n in members - set(state.participants)))
+
+
 def out_of_round(state: Any, node: Any, round_no: int | None, dead_after: float,
                  margin_s: float = 0.0, now: datetime | None = None) -> str | None:
     """Pure: why ``node`` no longer belongs to round ``round_no`` of torch's rendezvous
@@ -661,8 +666,7 @@ class DynamicRendezvous:
         self._round = (store, info.world_size)
         state = self.handler._state_holder.state
         round_no = self._round_no = state.round
-        before, self._members = self._members, frozenset(state.participants)
-        left = tuple(sorted(str(n) for n in before - self._members))
+        left, self._members = gone(self._members, state), frozenset(state.participants)
         self._was_dropped = False
         if info.rank == 0:
             port = self.fixed_port or free_port("0.0.0.0")
@@ -693,8 +697,7 @@ class DynamicRendezvous:
             return RoundView()
         self._unreachable_since = None
         dropped = out_of_round(state, self._node, self._round_no, self.timings.dead_after)
-        lost = () if dropped or state.round != self._round_no else tuple(
-            sorted(str(n) for n in self._members - set(state.participants)))
+        lost = () if dropped or state.round != self._round_no else gone(self._members, state)
         return RoundView(waiting_to_join(state, self.max_nodes), lost, dropped)
 
     def standing(self, stalled_s: float) -> Standing:
