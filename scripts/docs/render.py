@@ -199,6 +199,7 @@ BENCH_RUNS = [  # (file, section title); files written by scripts/bench/bench.py
     ("verdict.json", "Hang verdict past the timeout, from the last heartbeat call"),
     ("defaults_side.json", "Crash recovery and start-up with the defaults, side by side"),
     ("defaults_side_quiet.json", "Crash recovery with the defaults, side by side, quiet machine"),
+    ("goodput_long.json", "Goodput over a long schedule, with in-memory snapshots"),
 ]
 
 WARM_KEYS = {
