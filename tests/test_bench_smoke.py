@@ -145,7 +145,11 @@ def test_smoke_values_are_sane(smoke: tuple[dict, Path]) -> None:
     assert ours_gp["bounded"] == [] and 0 < ours_gp["goodput"] <= 1.5
     assert ours_gp["faulted_wall_s"] > ours_gp["clean_wall_s"] * 0.5
     # torchrun never notices the stopped rank: its faulted run always reaches the bound.
-    assert tr_gp["bounded"] == ["faulted_wall_s", "goodput"]
+    assert tr_gp["bounded"] == ["faulted_wall_s", "goodput", "goodput_pair"]
+    # against the fastest fault-free run of the repeat, whichever launcher ran it
+    fastest = min(rows[0]["clean_wall_s"] for rows in raw["goodput"].values()
+                  if rows[0]["clean_wall_s"])
+    assert ours_gp["goodput_pair"] == round(fastest / ours_gp["faulted_wall_s"], 4)
     assert tr_gp["faulted_wall_s"] == smoke[0]["settings"]["goodput_bound_s"]
 
 
