@@ -1,12 +1,13 @@
 """A node-local, double-buffered snapshot store for one rank's training state.
 
 ``SnapshotStore(directory).snapshot(state, iteration)`` blocks only while the state's tensors
-are copied into host buffers (kept and reused between snapshots, so the copy does not pay
-for fresh pages each time); a background thread then writes the older of two slots (A/B) and,
-last, that slot's commit record (write + rename). A writer killed at any point therefore
-leaves the other slot whole and loadable. ``load`` / ``latest`` / ``available_iterations``
-read a directory back, checking every tensor's CRC32 and refusing a tensor that holds NaN/Inf
-where the writer saw none.
+are copied into the older of two slot files (A/B), mapped into memory and kept mapped between
+snapshots (so the copy neither pays for fresh pages nor needs a second pass to write); a
+background thread then checksums that slot and, last, writes its commit record (write +
+rename). The slot's old commit record is removed before its first byte changes, so a writer
+killed at any point leaves the other slot whole and loadable. ``load`` / ``latest`` /
+``available_iterations`` read a directory back, checking every tensor's CRC32 and refusing a
+tensor that holds NaN/Inf where the writer saw none.
 
 The directory must be the caller's own: a real directory (never followed through a symlink),
 owned by this uid, mode 0700; files in it are opened with O_NOFOLLOW and must be regular
@@ -17,11 +18,11 @@ from __future__ import annotations
 
 import errno
 import logging
+import mmap
 import os
 import stat
 import threading
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +35,7 @@ from ft_agent.snapshot_format import (
     Commit,
     Header,
     SnapshotError,
+    crc32,
     decode_tree,
     encode_commit,
     encode_tree,
@@ -52,6 +54,8 @@ SLOTS = ("a", "b")
 DIR_MODE = 0o700
 FILE_MODE = 0o600
 _WRITE_CHUNK = 64 * 2**20
+# Map a slot's pages in at once rather than one fault per page on the first copy.
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 __all__ = [
     "Snapshot", "SnapshotError", "SnapshotStatus", "SnapshotStore", "SlotInfo", "WriteResult",
@@ -222,7 +226,7 @@ def _read_header(fd: int, size: int, commit: Commit, name: str) -> Header:
     header_len = parse_prefix(bytes(prefix), size)
     data = bytearray(header_len)
     _read_exact(fd, memoryview(data), name)
-    if zlib.crc32(data) != commit.header_crc:
+    if crc32(data) != commit.header_crc:
         raise SnapshotError("checksum", f"{name}: header checksum mismatch")
     header = parse_header(bytes(data), size)
     if header.iteration != commit.iteration:
@@ -243,7 +247,7 @@ def _read_tensors(fd: int, header: Header, commit: Commit, name: str) -> list[to
         os.lseek(fd, spec.offset, os.SEEK_SET)
         view = memoryview(raw.numpy()) if spec.nbytes else memoryview(b"")
         _read_exact(fd, view, name)
-        if zlib.crc32(view) != commit.crcs[i]:
+        if crc32(view) != commit.crcs[i]:
             raise SnapshotError("checksum", f"{name}: tensor {i} checksum mismatch")
         t = raw.view(fmt.DTYPES[spec.dtype]).reshape(spec.shape)
         if not commit.nonfinite[i] and has_nonfinite(t):
@@ -415,7 +419,7 @@ def _verify_from(dir_fd: int, slot: str) -> None:
                 view = memoryview(chunk)[:n]
                 os.lseek(fd, spec.offset + done, os.SEEK_SET)
                 _read_exact(fd, view, name)
-                crc = zlib.crc32(view, crc)
+                crc = crc32(view, crc)
                 done += n
             if crc != commit.crcs[i]:
                 raise SnapshotError("checksum", f"{name}: tensor {i} checksum mismatch")
@@ -494,18 +498,30 @@ class _Job:
     iteration: int
     slot: str
     seq: int
-    tree: Any
-    buffers: list[torch.Tensor]
+    head: bytes
+    targets: list[torch.Tensor]  # each tensor's place in the slot's mapping
+    staged: list[tuple[torch.Tensor, torch.Tensor]]  # (pinned copy, target) of GPU tensors
     nbytes: int
+    file_bytes: int
+
+
+@dataclass
+class _Mapping:
+    """A slot file mapped for writing, kept between snapshots: the copy then writes straight
+    into pages the file already has, and the background needs no second pass to write."""
+
+    mm: mmap.mmap
+    whole: torch.Tensor  # the mapping's bytes as one uint8 tensor
+    inode: tuple[int, int]
 
 
 class SnapshotStore:
     """One rank's snapshots in ``directory`` (created 0700 if missing; refused if it is
     not this uid's, not 0700, or a symlink).
 
-    ``memory_budget`` (bytes, None = no limit) bounds what the store holds: the host
-    buffers of one snapshot plus both slot files; a snapshot that would exceed it is
-    skipped with reason "budget". At most one write is in flight.
+    ``memory_budget`` (bytes, None = no limit) bounds what the store holds: both slot files
+    (and, for a GPU state, one pinned host copy); a snapshot that would exceed it is skipped
+    with reason "budget". At most one write is in flight.
     """
 
     def __init__(self, directory: str | os.PathLike[str], *,
@@ -513,10 +529,10 @@ class SnapshotStore:
         self.directory = Path(directory)
         self.memory_budget = memory_budget
         self._dir_fd = open_dir(directory, create=True)
-        self._buffers: list[torch.Tensor] = []
+        self._maps: dict[str, _Mapping] = {}
+        self._pinned: list[torch.Tensor] = []
         self._thread: threading.Thread | None = None
         self._last: WriteResult | None = None
-        self._lock = threading.Lock()
         # slot -> (seq, iteration, file bytes) of its committed snapshot, or None
         self._slots: dict[str, tuple[int, int, int] | None] = {}
         for slot, c in _commits(self._dir_fd).items():
@@ -526,10 +542,11 @@ class SnapshotStore:
     # public API -----------------------------------------------------------------------
 
     def snapshot(self, state: Any, iteration: int, *, wait: bool = False) -> SnapshotStatus:
-        """Copy ``state``'s tensors to host buffers and start writing them in the
+        """Copy ``state``'s tensors into the older slot and check and commit it in the
         background. If the previous write is still running: with ``wait`` wait for it,
-        else skip ("busy"). Raises ``SnapshotError('unsupported')`` for a state it
-        cannot hold (naming the path)."""
+        else skip ("busy"). A slot file that cannot be made ready (a full tmpfs) is a skip
+        with reason "io". Raises ``SnapshotError('unsupported')`` for a state it cannot
+        hold (naming the path)."""
         start = time.perf_counter()
         if self._busy():
             if not wait:
@@ -539,15 +556,27 @@ class SnapshotStore:
         tensors: list[Any] = []
         tree = encode_tree(state, tensors)
         sources = [_as_tensor(t, i) for i, t in enumerate(tensors)]
-        nbytes = sum(t.numel() * t.element_size() for t in sources)
+        sizes = [t.numel() * t.element_size() for t in sources]
+        nbytes = sum(sizes)
+        specs = [(fmt.DTYPE_NAMES[t.dtype], tuple(t.shape), n)
+                 for t, n in zip(sources, sizes, strict=True)]
+        head, placed, total = layout(iteration, tree, specs)
         slot, other = self._target()
-        if self.memory_budget is not None and 2 * nbytes + other > self.memory_budget:
+        pinned = sum(n for t, n in zip(sources, sizes, strict=True) if t.is_cuda)
+        if self.memory_budget is not None and total + other + pinned > self.memory_budget:
             return SnapshotStatus(False, iteration, "budget", nbytes,
                                   time.perf_counter() - start)
-        buffers = self._copy(sources)
         seq = 1 + max((s[0] for s in self._slots.values() if s), default=0)
         self._slots[slot] = None  # from here until its commit, this slot holds nothing
-        job = _Job(iteration, slot, seq, tree, buffers, nbytes)
+        try:
+            self._unlink(commit_file(slot))
+            whole = self._mapping(slot, total)
+        except (OSError, SnapshotError) as e:
+            log.warning("snapshot of iteration %d: slot %s not ready: %s", iteration, slot, e)
+            return SnapshotStatus(False, iteration, "io", nbytes, time.perf_counter() - start)
+        whole[:len(head)].copy_(_uint8(head))
+        targets, staged = self._copy(sources, placed, whole)
+        job = _Job(iteration, slot, seq, head, targets, staged, nbytes, total)
         self._thread = threading.Thread(target=self._write, args=(job,), daemon=True,
                                         name=f"ft-snapshot-{slot}")
         self._thread.start()
@@ -582,9 +611,11 @@ class SnapshotStore:
         return dropped
 
     def close(self) -> None:
-        """Wait for the write in flight, then release the buffers and the directory."""
+        """Wait for the write in flight, then release the mappings and the directory."""
         self.wait()
-        self._buffers = []
+        for slot in list(self._maps):
+            self._unmap(slot)
+        self._pinned = []
         if self._dir_fd >= 0:
             os.close(self._dir_fd)
             self._dir_fd = -1
@@ -607,27 +638,79 @@ class SnapshotStore:
             return "a", b[2] if b else 0
         return "b", a[2] if a else 0
 
-    def _copy(self, sources: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The blocking part: copy into the previous snapshot's host buffers where shape
-        and dtype match (no fresh pages to fault in), else into new ones."""
+    def _mapping(self, slot: str, size: int) -> torch.Tensor:
+        """The slot file's bytes, ``size`` long, mapped: the kept mapping when the file is
+        still the one mapped at that size, else the file opened (or made), given every page
+        now and mapped afresh."""
         import torch  # noqa: PLC0415
 
-        old = self._buffers
-        out = []
-        for i, src in enumerate(sources):
-            buf = old[i] if i < len(old) else None
+        name = slot_file(slot)
+        kept = self._maps.get(slot)
+        if kept is not None:
+            try:
+                st = os.stat(name, dir_fd=self._dir_fd, follow_symlinks=False)
+                if (st.st_dev, st.st_ino) == kept.inode and st.st_size == size == len(kept.mm):
+                    return kept.whole
+            except FileNotFoundError:
+                pass
+            self._unmap(slot)
+        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE,
+                     dir_fd=self._dir_fd)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise SnapshotError("not_a_file", f"{name} is not a regular file")
+            _check_owned(st, name, None)
+            if st.st_size > size:
+                os.ftruncate(fd, size)
+            # Every page allocated up front: on a full tmpfs this fails with ENOSPC, where a
+            # store into a page of the mapping that tmpfs cannot back would raise SIGBUS.
+            os.posix_fallocate(fd, 0, size)
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _MAP_POPULATE,
+                           prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        whole = torch.frombuffer(mm, dtype=torch.uint8)
+        self._maps[slot] = _Mapping(mm, whole, (st.st_dev, st.st_ino))
+        return whole
+
+    def _unmap(self, slot: str) -> None:
+        kept = self._maps.pop(slot)
+        del kept.whole
+        try:
+            kept.mm.close()
+        except BufferError:
+            pass  # a view of it is still referenced: it is unmapped when that goes
+
+    def _copy(self, sources: list[torch.Tensor], placed: list[fmt.TensorSpec],
+              whole: torch.Tensor
+              ) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
+        """The blocking part: each CPU tensor copied into its place in the slot; each GPU
+        tensor into a pinned host copy (kept between snapshots), which the background
+        moves into the slot, so the step waits only for the device-to-host copy."""
+        import torch  # noqa: PLC0415
+
+        targets, staged, pinned = [], [], []
+        old = iter(self._pinned)
+        for src, spec in zip(sources, placed, strict=True):
+            dst = whole[spec.offset:spec.offset + spec.nbytes].view(src.dtype).view(src.shape)
+            targets.append(dst)
+            if not src.is_cuda:
+                dst.copy_(src)
+                continue
+            buf = next(old, None)
             if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
-                buf = torch.empty(src.shape, dtype=src.dtype, device="cpu",
-                                  pin_memory=src.is_cuda)
+                buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
             buf.copy_(src)
-            out.append(buf)
-        self._buffers = out
-        return out
+            staged.append((buf, dst))
+            pinned.append(buf)
+        self._pinned = pinned
+        return targets, staged
 
     def _write(self, job: _Job) -> None:
         start = time.perf_counter()
         try:
-            file_bytes = self._write_slot(job)
+            self._commit(job)
         except Exception as e:  # noqa: BLE001 - a failed write is reported, never raised
             kind = "io" if isinstance(e, OSError) else type(e).__name__
             self._last = WriteResult(job.iteration, job.slot, False, job.nbytes,
@@ -635,32 +718,18 @@ class SnapshotStore:
             log.warning("snapshot of iteration %d to slot %s failed: %s",
                         job.iteration, job.slot, e)
             return
-        self._slots[job.slot] = (job.seq, job.iteration, file_bytes)
+        self._slots[job.slot] = (job.seq, job.iteration, job.file_bytes)
         self._last = WriteResult(job.iteration, job.slot, True, job.nbytes,
                                  time.perf_counter() - start)
 
-    def _write_slot(self, job: _Job) -> int:
-        self._unlink(commit_file(job.slot))
-        specs = [(fmt.DTYPE_NAMES[b.dtype], tuple(b.shape), b.numel() * b.element_size())
-                 for b in job.buffers]
-        head, placed, total = layout(job.iteration, job.tree, specs)
-        crcs, nonfinite = [], []
-        fd = os.open(slot_file(job.slot), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW |
-                     os.O_CLOEXEC, FILE_MODE, dir_fd=self._dir_fd)
-        try:
-            _check_owned(os.fstat(fd), slot_file(job.slot), None)
-            # Overwrite in place, then cut to size: tmpfs keeps the pages it already has.
-            _write_all(fd, memoryview(head), 0)
-            for buf, spec in zip(job.buffers, placed, strict=True):
-                view = _bytes_of(buf)
-                _write_all(fd, view, spec.offset)
-                crcs.append(zlib.crc32(view))
-                nonfinite.append(has_nonfinite(buf))
-            os.ftruncate(fd, total)
-        finally:
-            os.close(fd)
-        commit = Commit(job.slot, job.seq, job.iteration, total, zlib.crc32(head[PREFIX.size:]),
-                        job.nbytes, tuple(crcs), tuple(nonfinite), time.time())
+    def _commit(self, job: _Job) -> None:
+        for buf, dst in job.staged:
+            dst.copy_(buf)
+        crcs = [crc32(_bytes_of(t)) for t in job.targets]
+        nonfinite = [has_nonfinite(t) for t in job.targets]
+        commit = Commit(job.slot, job.seq, job.iteration, job.file_bytes,
+                        crc32(job.head[PREFIX.size:]), job.nbytes, tuple(crcs),
+                        tuple(nonfinite), time.time())
         tmp = commit_file(job.slot) + ".tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
                      FILE_MODE, dir_fd=self._dir_fd)
@@ -669,7 +738,6 @@ class SnapshotStore:
         finally:
             os.close(fd)
         os.rename(tmp, commit_file(job.slot), src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
-        return total
 
     def _unlink(self, name: str) -> None:
         try:
@@ -698,6 +766,12 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
     import torch  # noqa: PLC0415
 
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _uint8(data: bytes) -> torch.Tensor:
+    import torch  # noqa: PLC0415
+
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
 def _write_all(fd: int, view: memoryview, offset: int) -> None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import hmac
 import json
 import math
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +32,7 @@ from ft_agent.snapshot_format import (
     Commit,
     Header,
     SnapshotError,
+    crc32,
     parse_commit,
     parse_header,
     parse_prefix,
@@ -237,7 +237,7 @@ class SlotVerifier:
             if self._head_len is not None and len(self._head) == want:
                 body = bytes(self._head[PREFIX.size:])
                 self._header = parse_header(body, self.size)
-                self._header_crc = zlib.crc32(body)
+                self._header_crc = crc32(body)
                 self._crcs = [0] * len(self._header.tensors)
                 self._head = bytearray()
         except SnapshotError as e:
@@ -255,7 +255,7 @@ class SlotVerifier:
             a = max(specs[i].offset, start)
             b = min(specs[i].offset + specs[i].nbytes, end)
             if b > a:
-                self._crcs[i] = zlib.crc32(chunk[a - start:b - start], self._crcs[i])
+                self._crcs[i] = crc32(chunk[a - start:b - start], self._crcs[i])
             if specs[i].offset + specs[i].nbytes > end:
                 break
             i += 1

@@ -1,7 +1,7 @@
 """The job's snapshots on this node: the area, the choice at each cycle start, the events.
 
 At a cycle start (``begin_cycle``) the launcher reads each rank's commit records (cheap),
-checks in full (every tensor's CRC32, in threads: zlib releases the GIL) only the copies of
+checks in full (every tensor's CRC32, in threads: the CRC releases the GIL) only the copies of
 the candidate iteration, picks the newest iteration every rank holds a whole copy of
 (``pick.choose``), uncommits every newer or rejected copy, and gives each rank
 ``FT_SNAPSHOT_ITERATION``. The rank loads that iteration and checks it again (its own NaN
