@@ -721,6 +721,25 @@ class SnapshotStore:
         self._slots[job.slot] = (job.seq, job.iteration, job.file_bytes)
         self._last = WriteResult(job.iteration, job.slot, True, job.nbytes,
                                  time.perf_counter() - start)
+        self._prepare_other(job)
+
+    def _prepare_other(self, job: _Job) -> None:
+        """Claim and map the other slot now, when it holds nothing and is not mapped yet:
+        claiming a slot's pages costs many times the copy, so the step that first writes
+        there would otherwise wait for it. Runs in the write's thread, so no snapshot can
+        be choosing a slot meanwhile."""
+        other = "b" if job.slot == "a" else "a"
+        if self._slots.get(other) is not None or other in self._maps:
+            return
+        pinned = sum(b.numel() * b.element_size() for b in self._pinned)
+        if self.memory_budget is not None and (
+                2 * job.file_bytes + pinned > self.memory_budget):
+            return  # the next snapshot will be skipped for its budget anyway
+        try:
+            self._mapping(other, job.file_bytes)
+        except (OSError, SnapshotError) as e:
+            # The snapshot that needs it tries again and reports what it finds.
+            log.debug("slot %s not prepared: %s", other, e)
 
     def _commit(self, job: _Job) -> None:
         for buf, dst in job.staged:

@@ -205,7 +205,9 @@ def test_newer_iterations_replace_the_older_copy_and_a_given_one_is_fetched(node
 
 
 def test_sender_killed_mid_transfer_leaves_the_previous_replica_whole(nodes):
-    a, b = nodes("a"), nodes("b", stall=1.0)
+    # The stall timeout is what the checks of the half-written slot below must beat (the
+    # buddy drops it then): 3 s leaves them room on a loaded machine.
+    a, b = nodes("a"), nodes("b", stall=3.0)
     sender = nodes("sender")
     src = str(a.root / "rank_1")
     assert a.ask(op="snapshot", dir=src, seed=1, mb=MB, iteration=10)["ok"]

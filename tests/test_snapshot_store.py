@@ -434,6 +434,24 @@ def test_over_the_memory_budget_is_skipped_and_writes_nothing(tmp_path: Path) ->
     assert available_iterations(d) == [1, 2]
 
 
+def test_the_other_slot_is_claimed_in_the_background_within_the_budget(
+        tmp_path: Path) -> None:
+    state = {"w": torch.ones(1000)}
+    d = tmp_path / "r"
+    with SnapshotStore(d) as store:
+        written(store, state, 1)
+        a, b = (os.stat(d / f"slot_{s}.bin") for s in "ab")
+        # Claimed after slot a's commit, so the next step does not wait for it.
+        assert b.st_size == a.st_size and b.st_blocks * 512 >= b.st_size
+        written(store, state, 2)
+        assert os.stat(d / "slot_b.bin").st_ino == b.st_ino
+    assert available_iterations(d) == [1, 2]
+    one_slot = os.stat(d / "slot_a.bin").st_size
+    with SnapshotStore(tmp_path / "s", memory_budget=2 * one_slot - 1) as store:
+        written(store, state, 1)
+        assert not (tmp_path / "s" / "slot_b.bin").exists()
+
+
 def test_one_write_in_flight_a_second_is_skipped_as_busy_or_waits(tmp_path: Path) -> None:
     big = {"w": torch.ones(5_000_000)}  # 20 MB: its check outlasts the next call by far
     with SnapshotStore(tmp_path / "r") as store:

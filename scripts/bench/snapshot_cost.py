@@ -5,10 +5,11 @@
 
 For a state of ``--mb`` MB of float32 (in 20 tensors, like a model's parameters) in a
 store on /dev/shm, measures per run: the time ``snapshot()`` blocks the caller (the copy
-into the slot file it keeps mapped), the background write (CRC32 + the non-finite test +
+into the slot file it keeps mapped), the background commit (CRC32 + the non-finite test +
 commit record), the launcher's full check of the slot at a restart (``verify_slot``: read +
 CRC32 of every tensor, no torch) and ``load()`` (read, CRC32 check, non-finite test).
-The first snapshot, which makes and maps its slot files, is reported apart, and ``load()`` is
+The first snapshot, which claims and maps its slot's pages (the store then claims the
+other slot in the background), is reported apart, and ``load()`` is
 also timed in a new process, as a restarted rank meets it (every page fresh). For what bounds
 these, it also measures a plain tensor copy into a reused buffer (memory bandwidth) and
 the checksums considered over the same bytes: CRC32 as the store computes it (zlib-ng),
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     m, b = result["snapshot"]["median"], result["bounds"]
     print(f"{args.mb} MB float32, median of {args.runs}: snapshot() blocks "
-          f"{m['blocking_s'] * 1000:.0f} ms, background write {m['write_s'] * 1000:.0f} ms, "
+          f"{m['blocking_s'] * 1000:.0f} ms, background commit {m['write_s'] * 1000:.0f} ms, "
           f"launcher's check {m['launcher_verify_s'] * 1000:.0f} ms, "
           f"restore {m['restore_s'] * 1000:.0f} ms (in a new process "
           f"{m['restore_new_process_s'] * 1000:.0f} ms)")
