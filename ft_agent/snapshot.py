@@ -563,7 +563,7 @@ class SnapshotStore:
         head, placed, total = layout(iteration, tree, specs)
         slot, other = self._target()
         pinned = sum(n for t, n in zip(sources, sizes, strict=True) if t.is_cuda)
-        if self.memory_budget is not None and total + other + pinned > self.memory_budget:
+        if not self._fits(total + other + pinned):
             return SnapshotStatus(False, iteration, "budget", nbytes,
                                   time.perf_counter() - start)
         seq = 1 + max((s[0] for s in self._slots.values() if s), default=0)
@@ -627,6 +627,9 @@ class SnapshotStore:
         self.close()
 
     # internals ------------------------------------------------------------------------
+
+    def _fits(self, nbytes: int) -> bool:
+        return self.memory_budget is None or nbytes <= self.memory_budget
 
     def _busy(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -729,11 +732,10 @@ class SnapshotStore:
         there would otherwise wait for it. Runs in the write's thread, so no snapshot can
         be choosing a slot meanwhile."""
         other = "b" if job.slot == "a" else "a"
-        if self._slots.get(other) is not None or other in self._maps:
+        if self._slots[other] is not None or other in self._maps:
             return
         pinned = sum(b.numel() * b.element_size() for b in self._pinned)
-        if self.memory_budget is not None and (
-                2 * job.file_bytes + pinned > self.memory_budget):
+        if not self._fits(2 * job.file_bytes + pinned):
             return  # the next snapshot will be skipped for its budget anyway
         try:
             self._mapping(other, job.file_bytes)

@@ -410,11 +410,10 @@ def _snapshot_sections() -> list[str]:
     out.append(f"| `load()` in a new process (every page fresh, as a restarted rank) | "
                f"{_spread(fresh, 0)} |")
     b = doc["bounds"]
-    stdlib = b.get("crc32_stdlib_zlib_gib_per_s")
-    stdlib = f" (the standard library's zlib: {stdlib} GiB/s)" if stdlib else ""
     out += ["", f"Bounds on the same bytes: copy {b['copy_gib_per_s']} GiB/s, CRC32 "
-            f"{b['crc32_gib_per_s']} GiB/s{stdlib}, BLAKE2b {b['blake2b_gib_per_s']} GiB/s.",
-            ""]
+            f"{b['crc32_gib_per_s']} GiB/s (the standard library's zlib: "
+            f"{b['crc32_stdlib_zlib_gib_per_s']} GiB/s), BLAKE2b "
+            f"{b['blake2b_gib_per_s']} GiB/s.", ""]
     for name in sorted(p.name for p in BENCH.glob("snapshot_overhead*.json")):
         out += _snapshot_overhead_section(name)
     return out
@@ -439,17 +438,9 @@ def _snapshot_overhead_section(name: str) -> list[str]:
             f"| loop with a snapshot every step, s | "
             f"{_spread([p['with_s'] for p in doc['pairs']])} |",
             f"| overhead, % (with / without - 1, per pair; {len(pct)} pairs) | "
-            f"{_spread(pct, 1)} |", *_steady_rows(doc["pairs"]), ""]
-
-
-def _steady_rows(pairs: list[dict[str, Any]]) -> list[str]:
-    """The overhead from the third step on, once both slots' pages are claimed (results
-    that predate this measure have none)."""
-    steady = [p["steady_overhead"] * 100 for p in pairs if "steady_overhead" in p]
-    if not steady:
-        return []
-    return [f"| overhead from the third step on (both slots claimed), % | "
-            f"{_spread(steady, 1)} |"]
+            f"{_spread(pct, 1)} |",
+            f"| overhead from the third step on (both slots claimed), % | "
+            f"{_spread([p['steady_overhead'] * 100 for p in doc['pairs']], 1)} |", ""]
 
 
 REPLICA_MEASURES = [  # (key of a run, what it is)
