@@ -1,14 +1,16 @@
 """A small synchronous job whose compute runs on the GPU, timed with device=True sections.
 
-Each step: ``client.section("compute", device=True)`` around ``--matmuls`` matrix products
-on this rank's GPU (rank ``--slow-rank`` does ``--factor`` times as many), then a gloo
-all-reduce of a CPU flag. The kernels are only queued inside the section, so its wall time
-is the same on every rank; its device time is not. Stops after --steps.
+Each step, the ranks in turn: ``client.section("compute", device=True)`` around
+``--matmuls`` matrix products on this rank's GPU (at least enough for ``BASE_DEVICE_S``; rank
+``--slow-rank`` does ``--factor`` times as many); then a gloo all-reduce of a CPU flag. The
+kernels are only queued inside the section, so its wall time is the same on every rank; its
+device time is not. Stops after --steps.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import time
 
@@ -16,6 +18,22 @@ import torch
 import torch.distributed as dist
 
 from ft_agent import RankMonitorClient
+
+# A fast rank's kernels take at least this long per section, so they outlast the section's
+# 5 ms of host work on any GPU and its device time is the kernels' (an H200 runs the default
+# 8 products of 2048 in ~2 ms).
+BASE_DEVICE_S = 0.02
+
+
+def _matmuls_for(a: torch.Tensor, seconds: float) -> int:
+    """How many of the step's products take ``seconds`` on this GPU."""
+    x = (a @ a).tanh_()
+    torch.cuda.synchronize(a.device)
+    start = time.perf_counter()
+    for _ in range(4):
+        x = (x @ a).tanh_()
+    torch.cuda.synchronize(a.device)
+    return math.ceil(seconds / max((time.perf_counter() - start) / 4, 1e-6))
 
 
 def main() -> None:
@@ -33,17 +51,24 @@ def main() -> None:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))
                           % torch.cuda.device_count())
     a = torch.randn(args.size, args.size, device=device)
-    n = args.matmuls * (args.factor if rank == args.slow_rank else 1)
+    base = torch.tensor([max(args.matmuls, _matmuls_for(a, BASE_DEVICE_S))])
+    dist.all_reduce(base, op=dist.ReduceOp.MAX)  # the same base on every rank
+    n = int(base) * (args.factor if rank == args.slow_rank else 1)
     flag = torch.zeros(1)
     for _ in range(args.steps):
-        with client.section("compute", device=True):
-            x = a
-            for _ in range(n):
-                x = (x @ a).tanh_()
-            # Host work of a fixed length: the wall times of the ranks' sections are alike
-            # (queuing 2x the kernels costs microseconds), so only the device time differs.
-            time.sleep(0.005)
-        torch.cuda.current_stream(device).synchronize()  # the step's end (an optimizer's)
+        # The ranks take turns: on a GPU they share, one rank's events would otherwise also
+        # span the other's kernels (time-slicing), which blurs the 2x between them.
+        for turn in range(dist.get_world_size()):
+            if turn == rank:
+                with client.section("compute", device=True):
+                    x = a
+                    for _ in range(n):
+                        x = (x @ a).tanh_()
+                    # Host work of a fixed length: the wall times of the ranks' sections are
+                    # alike (queuing 2x the kernels costs microseconds); the device time is not.
+                    time.sleep(0.005)
+                torch.cuda.current_stream(device).synchronize()  # the step's end
+            dist.barrier()
         dist.all_reduce(flag)
         client.send_heartbeat()
     dist.barrier()

@@ -89,8 +89,10 @@ def test_rerun_in_place_replays_the_cuda_random_numbers(cuda0):
     # Reproduced on the same device: the machine asks to resume elsewhere (16), which it
     # would not do had the re-run differed (17, transient error).
     assert (checkpoint, stop, code) == (True, True, 16)
+    # With an exit code the machine rewinds to the step's start, so the checkpoint taken now
+    # replays the same draws on the other device.
     after = torch.rand(4096, device="cuda").cpu()
-    assert not torch.equal(after, noise1), "the generator moves on after the step"
+    assert torch.equal(after, noise1), "the checkpoint would not hold the step's CUDA RNG state"
 
 
 def test_device_identity_is_the_gpu_uuid(cuda0, monkeypatch):
