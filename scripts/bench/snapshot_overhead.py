@@ -2,9 +2,11 @@
 
     python scripts/bench/snapshot_overhead.py                       # 1 s steps, 200 MB, 20 pairs
     python scripts/bench/snapshot_overhead.py --step-s 0.1 --pairs 5 --out /tmp/x.json
+    python scripts/bench/snapshot_overhead.py --device cuda --out snapshot_overhead_gpu.json
 
 Runs ``scripts/bench/snapshot_step.py`` (2 ranks, gloo, ``--mb`` MB of state per rank, a
-step of fixed compute calibrated once to about ``--step-s`` seconds) under ``ft_launcher``
+step of fixed compute calibrated once to about ``--step-s`` seconds; with ``--device cuda``
+state and compute on the GPU, which the 2 ranks share on a one-GPU machine) under ``ft_launcher``
 in pairs: one run without snapshots, one with ``--ft-snapshot-every 1``, in alternating
 order. Each run's figure is the ranks' step loop wall time (first step excluded, so start-up
 is not counted); a pair's overhead is with / without - 1. The same is also reported for the
@@ -37,16 +39,20 @@ from bench import machine_info  # noqa: E402
 STEP = HERE / "snapshot_step.py"
 
 
-def calibrate(step_s: float) -> int:
-    """Matmul rounds that take about ``step_s`` on one core (the step's compute)."""
+def calibrate(step_s: float, device: str, size: int) -> int:
+    """Matmul rounds that take about ``step_s`` on one core, or on the GPU (the compute)."""
     torch.set_num_threads(1)
-    a = torch.randn(256, 256)
+    a = torch.randn(size, size, device=device)
     rounds = 50
     while True:
+        if device == "cuda":
+            torch.cuda.synchronize()
         start = time.perf_counter()
         x = a
         for _ in range(rounds):
             x = torch.tanh(x @ a)
+        if device == "cuda":
+            torch.cuda.synchronize()
         took = time.perf_counter() - start
         if took > 0.2:
             return max(1, round(rounds * step_s / took))
@@ -58,21 +64,22 @@ class RunFailed(Exception):
 
 
 def run_once(work: int, args: argparse.Namespace, snapshots: bool, tmp: Path
-             ) -> tuple[float, float]:
-    """One run's step loop wall time: from the second step, and from the third."""
+             ) -> tuple[float, float, float]:
+    """One run's step loop wall time: from the second step, and from the third; and its
+    median step."""
     out = tmp / f"loop-{time.monotonic_ns()}.json"
     cmd = [sys.executable, "-m", "ft_launcher.cli", "--ft-run-dir", str(tmp / out.stem),
            "--nproc-per-node", "2", "--max-restarts", "0"]
     if snapshots:
         cmd += ["--ft-snapshot-every", "1"]
     cmd += [str(STEP), "--mb", str(args.mb), "--steps", str(args.steps), "--work", str(work),
-            "--out", str(out)]
+            "--size", str(args.size), "--device", args.device, "--out", str(out)]
     res = subprocess.run(cmd, capture_output=True, text=True,
                          timeout=60 + args.steps * args.step_s * 10)
     if res.returncode != 0:
         raise RunFailed("\n".join((res.stdout + res.stderr).splitlines()[-30:]))
     steps = json.loads(out.read_text())["step_s"]
-    return sum(steps[1:]), sum(steps[2:])
+    return sum(steps[1:]), sum(steps[2:]), statistics.median(steps[1:])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,10 +88,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step-s", type=float, default=1.0)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--pairs", type=int, default=20)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--out", type=Path, default=HERE / "snapshot_overhead.json")
     args = ap.parse_args(argv)
+    args.size = 4096 if args.device == "cuda" else 256  # a GPU step of small matmuls: launches
     machine = machine_info()
-    work = calibrate(args.step_s)
+    if args.device == "cuda":
+        machine["gpu"] = torch.cuda.get_device_name()
+    work = calibrate(args.step_s, args.device, args.size)
     pairs: list[dict[str, Any]] = []
     failures: list[str] = []  # a failed run is kept, and its pair run again
     with tempfile.TemporaryDirectory(prefix="ft-snap-overhead-") as tmp:
@@ -98,8 +109,9 @@ def main(argv: list[str] | None = None) -> int:
                 failures.append(str(e))
                 print(f"a run failed:\n{e}", flush=True)
                 continue
-            (without, without_steady), (with_, with_steady) = loop[False], loop[True]
+            (without, without_steady, step), (with_, with_steady, _) = loop[False], loop[True]
             pairs.append({"without_s": round(without, 4), "with_s": round(with_, 4),
+                          "step_median_without_s": round(step, 4),
                           "overhead": round(with_ / without - 1, 4),
                           "steady_without_s": round(without_steady, 4),
                           "steady_with_s": round(with_steady, 4),
@@ -116,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
                                *(argv if argv is not None else sys.argv[1:])]),
         "machine": machine,
         "settings": {"mb_per_rank": args.mb, "ranks": 2, "step_s": args.step_s,
-                     "steps": args.steps, "matmul_rounds": work},
+                     "steps": args.steps, "matmul_rounds": work, "device": args.device,
+                     "matmul_size": args.size},
         "pairs": pairs,
         "failed_runs": failures,
         "overhead_median": statistics.median(overheads),

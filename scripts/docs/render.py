@@ -423,14 +423,21 @@ def _snapshot_overhead_section(name: str) -> list[str]:
     doc = _load(name)
     m, st = doc["machine"], doc["settings"]
     pct = [p["overhead"] * 100 for p in doc["pairs"]]
+    on_gpu = st.get("device") == "cuda"
+    where = (f"state and compute on one GPU ({m['gpu']}), which the ranks share"
+             if on_gpu else "state and compute on the CPU")
+    steps = [p["step_median_without_s"] for p in doc["pairs"] if "step_median_without_s" in p]
+    step = (f"steps of {_spread(steps, 2)} s (each run's median step, without snapshots)"
+            if steps else f"steps of about {st['step_s']} s of compute")
     return [f"### `{name}`", "",
             "Written by `scripts/bench/snapshot_overhead.py`: a training run of "
-            f"{st['ranks']} ranks (gloo) with {st['mb_per_rank']} MB of state per rank and "
-            f"steps of about {st['step_s']} s of compute, without snapshots and with "
-            "`--ft-snapshot-every 1`, in alternating pairs; the step loop's wall time, first "
+            f"{st['ranks']} ranks (gloo) with {st['mb_per_rank']} MB of state per rank, "
+            f"{where}, and {step}; run without snapshots and with "
+            "`--ft-snapshot-every 1` in alternating pairs; the step loop's wall time, first "
             "step excluded.", "",
             f"- date: {doc['date']}",
-            f"- machine: {m['cpus']} CPUs, {m['memory_gib']} GiB; load average at start "
+            f"- machine: {m['cpus']} CPUs, {m['memory_gib']} GiB"
+            + (f", {m['gpu']}" if on_gpu else "") + "; load average at start "
             f"{m['loadavg_start'][0]}, at end {m['loadavg_end'][0]}",
             f"- command: `{doc['command']}`", "",
             "| measure | median (min–max) over pairs |", "|---|---|",
