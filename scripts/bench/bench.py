@@ -121,6 +121,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--long", action="store_true",
                    help="goodput over a long schedule: >= 5 min of fault-free training, a "
                         "kill and a hang at fixed times, 3 runs (~2 h 15 min)")
+    p.add_argument("--snapshot-every", default=None, metavar="EVERY",
+                   help="ours-snap's --ft-snapshot-every, e.g. 2s or 50 [1; --long: 1s]")
     p.add_argument("--keep-runs", action="store_true",
                    help="keep each run's logs and run directories (printed at the end)")
     p.add_argument("--render", metavar="RESULTS_JSON", default=None,
@@ -480,6 +482,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.repeat < 1:
             raise SystemExit(f"error: --repeat: expected a positive count, got {args.repeat}")
         settings.repeat = args.repeat
+    if args.snapshot_every is not None:
+        from ft_launcher.config import ConfigError, parse_ft_value  # noqa: PLC0415
+        try:
+            every = parse_ft_value("snapshot_every", args.snapshot_every, "--snapshot-every")
+        except ConfigError as exc:
+            raise SystemExit(f"error: {exc}") from None
+        if every is None:
+            raise SystemExit("error: --snapshot-every: ours-snap needs snapshots, got off")
+        settings.snapshot_every = every
 
     machine = machine_info()
     compile_ours()

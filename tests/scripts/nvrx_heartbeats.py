@@ -127,6 +127,7 @@ def main() -> None:
     _sim_fault_canceled = True
     record(out, "done", ft_client)
     ft_client.shutdown_workload_monitoring()
+    dist.barrier()  # leave together: a torn-down gloo peer aborts the other
     dist.destroy_process_group()
 
 

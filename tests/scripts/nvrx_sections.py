@@ -130,6 +130,7 @@ def main() -> None:
     update_ft_section_timeouts(ft_client, [], True, ft_state_path)
     record(out, "done", ft_client)
     ft_client.shutdown_workload_monitoring()
+    dist.barrier()  # leave together: a torn-down gloo peer aborts the other
     dist.destroy_process_group()
 
 
