@@ -200,6 +200,7 @@ BENCH_RUNS = [  # (file, section title); files written by scripts/bench/bench.py
     ("defaults_side.json", "Crash recovery and start-up with the defaults, side by side"),
     ("defaults_side_quiet.json", "Crash recovery with the defaults, side by side, quiet machine"),
     ("goodput_long.json", "Goodput over a long schedule, with in-memory snapshots"),
+    ("goodput_long_2s.json", "Goodput over a long schedule, snapshots every 2 s"),
 ]
 
 WARM_KEYS = {
