@@ -91,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--out", type=Path, default=HERE / "snapshot_overhead.json")
     args = ap.parse_args(argv)
-    args.size = 4096 if args.device == "cuda" else 256  # a GPU step of small matmuls: launches
+    # On a GPU, small matmuls would time kernel launches rather than compute.
+    args.size = 4096 if args.device == "cuda" else 256
     machine = machine_info()
     if args.device == "cuda":
         machine["gpu"] = torch.cuda.get_device_name()
