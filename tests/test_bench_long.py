@@ -13,7 +13,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts" / "bench"))
 import bench  # noqa: E402
 import measures  # noqa: E402
+import nodes_run  # noqa: E402
 import report  # noqa: E402
+import runner  # noqa: E402
 import workload  # noqa: E402
 
 
@@ -77,7 +79,7 @@ def test_the_long_profile_trains_five_minutes_with_faults_at_a_third_and_two_thi
     assert not bench.PROFILES["full"].fault_at_s  # the short measure keeps its schedule
     notes = " ".join(bench.method(s))
     assert "130 s after the first step of cycle 0" in notes and "260 s after it" in notes
-    assert "lost node is out of scope" in notes
+    assert "A lost node needs --nodes 2" in notes and "Nodes (--nodes" not in notes
     # 200 MB per rank in every checkpoint and snapshot, ours-snap snapshotting once a second
     assert s.state_mb == 200 and "200 MB of extra state per rank" in notes
     assert "--ft-snapshot-every 1s" in notes
@@ -213,3 +215,115 @@ def test_steps_redone_per_fault_become_two_rows() -> None:
     row = bench._derive(raw, ["goodput"])["goodput"]["nvrx"][0]
     assert row["goodput"] == 0.8 and row["redone_kill"] == 60 and row["lost"] == lost
     assert row["ckpt_interval_s"] == 2.5
+
+
+# -- --nodes 2: the same goodput as two launchers on loopback, a spare and a lost node ----
+
+
+def test_a_node_takes_the_rendezvous_options_instead_of_a_standalone_job() -> None:
+    lnch = measures.Launchers(ours=["ft_launcher"], nvrx=["nvrx_launcher"])
+    rdzv = nodes_run.rdzv_options(2, 29400, "job", is_host=False)
+    assert rdzv == ["--nnodes", "2:2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                    "127.0.0.1:29400", "--rdzv-id", "job", "--rdzv-conf", "is_host=false"]
+    for name in ("ours", "ours-snap", "torchrun", "nvrx"):
+        alone = lnch.argv(name, 2, 3, Path("/w"), ["--mode", "train"])
+        node = lnch.argv(name, 1, 3, Path("/w/n1"), ["--mode", "train"], rdzv=rdzv,
+                         hb_timeout_s=5.0)
+        assert node[node.index("--rdzv-endpoint") + 1] == "127.0.0.1:29400", name
+        assert not {"--standalone", "--master-addr", "--local-addr"} & set(node), name
+        assert {"--standalone", "--master-addr"} & set(alone), name
+        assert node[node.index("--nproc-per-node") + 1] == "1", name
+        # each node its own events file (and ours its own run directory)
+        assert node[node.index("--events") + 1] == "/w/n1/events.jsonl", name
+        if name != "torchrun":
+            assert node[node.index("--ft-rank-heartbeat-timeout") + 1] == "5.0", name
+            assert alone[alone.index("--ft-rank-heartbeat-timeout") + 1] == "2.0", name
+    # ours-snap replicates its snapshots to another node only when there is one
+    snap = lnch.argv("ours-snap", 1, 3, Path("/w"), [], rdzv=rdzv)
+    assert snap[snap.index("--ft-snapshot-replicas") + 1] == "1"
+    assert "--ft-snapshot-replicas" not in lnch.argv("ours-snap", 2, 3, Path("/w"), [])
+    assert "--ft-snapshot-replicas" not in lnch.argv("ours", 1, 3, Path("/w"), [], rdzv=rdzv)
+
+
+def test_a_context_with_nodes_runs_one_launcher_per_node_with_the_world_split() -> None:
+    s = measures.Settings(nodes=2, hb_timeout_s=5.0)
+    ctx = measures.Context(measures.Launchers(ours=["ft"]), s, Path("/r"))
+    run = ctx.run("t", "ours-snap", 2, 3, ["--mode", "train"])
+    assert isinstance(run, nodes_run.NodesRun) and run.world == 2 and run.nodes == 2
+    assert run.argv_for is not None
+    argv = run.argv_for(Path("/r/t/n0"), ["--nnodes", "2:2"])
+    assert argv[argv.index("--nproc-per-node") + 1] == "1"
+    assert argv[argv.index("--ft-run-dir") + 1] == "/r/t/n0/ft_run"
+    one = measures.Context(measures.Launchers(ours=["ft"]), measures.Settings(), Path("/r"))
+    assert type(one.run("t", "ours", 2, 3, [])) is runner.Run
+
+
+def _member(name: str, records: list[dict], exit_code: int | None = None) -> runner.Run:
+    node = runner.Run(name=name, argv=[], workdir=Path("/nowhere"), env={})
+    node.records = records
+    if exit_code is not None:
+        node.exit_code, node.t_exit = exit_code, 100.0 + len(name)
+    return node
+
+
+def _pid(pid: int, rank: int, t: float) -> dict:
+    return {"ev": "pid", "pid": pid, "rank": rank, "t": t}
+
+
+def test_a_nodes_job_ends_with_the_nodes_that_ran_workers_and_were_not_lost() -> None:
+    job = nodes_run.NodesRun(name="j", argv=[], workdir=Path("/nowhere"), env={})
+    job.members = {"n0": _member("n0", [_pid(10, 0, 1.0)]),
+                   "n1": _member("n1", [_pid(11, 1, 1.0)]),
+                   "spare": _member("spare", [])}
+    job.records = sorted((r for m in job.members.values() for r in m.records),
+                         key=lambda r: r["t"])
+    # the rank to lose is the one whose node does not host the store
+    assert job.pid_off_host() == 11 and job.node_of(10) == "n0"
+    job._note_end()
+    assert job.exit_code is None  # nobody has exited yet
+    job.members["n0"].exit_code, job.members["n0"].t_exit = 0, 50.0
+    job._note_end()
+    assert job.exit_code is None  # n1 ran a worker and still runs
+    # n1 is lost; the spare took its rank and exited 0: the job ended, n1 does not count
+    job.lost.add("n1")
+    job.members["spare"] = _member("spare", [_pid(12, 1, 5.0)], exit_code=0)
+    job._note_end()
+    assert job.exit_code == 0 and job.t_exit == 105.0
+    # a spare that never ran a worker does not hold the end back; a failed node sets the code
+    job = nodes_run.NodesRun(name="j", argv=[], workdir=Path("/nowhere"), env={})
+    job.members = {"n0": _member("n0", [_pid(10, 0, 1.0)], exit_code=0),
+                   "n1": _member("n1", [_pid(11, 1, 1.0)], exit_code=1),
+                   "spare": _member("spare", [])}
+    job._note_end()
+    assert job.exit_code == 1
+    # every node gone without a worker ever running: ended, with the first failure
+    job = nodes_run.NodesRun(name="j", argv=[], workdir=Path("/nowhere"), env={})
+    job.members = {"n0": _member("n0", [], exit_code=2), "n1": _member("n1", [], exit_code=0)}
+    job._note_end()
+    assert job.exit_code == 2
+
+
+def test_nodes_mode_adds_the_lost_node_to_the_long_schedule_and_its_notes() -> None:
+    with pytest.raises(SystemExit, match="--nodes 2: goodput only"):
+        bench.on_nodes(bench.PROFILES["long"], 2, ["goodput", "hang"])
+    s = bench.on_nodes(bench.PROFILES["long"], 2, ["goodput"])
+    assert s.nodes == 2 and s.hb_timeout_s == 5.0 and bench.PROFILES["long"].nodes == 1
+    # a schedule per cycle (--quick, --smoke) stays one: the lost node comes in cycle 2
+    assert bench.on_nodes(bench.PROFILES["quick"], 2, ["goodput"]).fault_at_s == ()
+    kill, hang, lose = s.fault_at_s
+    # the lost node comes well before the end of a ~6.5 min training, after two checkpoints
+    assert kill < hang < lose < 0.85 * s.train_steps * 0.026
+    assert s.ckpt_every * 0.026 * 2 < lose
+    notes = " ".join(bench.method(s))
+    assert "with 3 faults" in notes and "the loss of a node 300 s after it" in notes
+    assert "Nodes (--nodes 2)" in notes and "--ft-snapshot-replicas 1" in notes
+    assert "Heartbeat timeout 5 s" in notes
+    assert measures.FAULTS == ("SIGKILL", "SIGSTOP", measures.NODE_LOST)
+    lost = [{"redone": 3}, {"redone": 1}, {"redone": 40}]
+    assert bench._redone(lost, nodes=2) == {"redone_kill": 3, "redone_hang": 1,
+                                            "redone_node": 40}
+    assert bench._redone(lost[:1], nodes=2)["redone_node"] is None
+    assert "redone_node" not in bench._redone(lost)
+    # a figure no run has (the lost node's, on one node) is left out of the tables
+    assert bench._recorded("redone_node", {"ours": [{"redone_node": None}]})
+    assert not bench._recorded("redone_node", {"ours": [{"redone_kill": 3}]})

@@ -4,6 +4,7 @@
     python scripts/bench/bench.py --quick              # shorter: 3 runs, tighter bounds
     python scripts/bench/bench.py --only heartbeat,hang --launchers ours,nvrx --repeat 3
     python scripts/bench/bench.py --long --out /tmp/long  # goodput over a long schedule
+    python scripts/bench/bench.py --long --nodes 2 --snapshot-every 2s   # and a lost node
 
 Measures: heartbeat (µs per send_heartbeat), hang (SIGSTOP -> verdict), crash (SIGKILL ->
 first step of the next cycle), startup (launcher start -> first step), footprint (launcher
@@ -18,7 +19,8 @@ startup and goodput, where they start or restart differently; torchrun, nvrx. On
 (--launchers), ours-snap: ours with in-memory snapshots, in startup and goodput.
 
 --long: goodput only, on a long schedule (see PROFILES["long"]), for ours-snap, torchrun and
-nvrx unless --only / --launchers say otherwise.
+nvrx unless --only / --launchers say otherwise. --nodes 2: each goodput run is two launchers
+on loopback (one rank each, c10d) and a spare, and a third fault loses a node (nodes_run.py).
 
 Writes ``results.json`` and ``RESULTS.md`` to ``--out`` (default: this folder). NVRx is
 installed on first use into ``.bench/nvrx-venv`` (see nvrx_env.py). Every process started is
@@ -97,6 +99,12 @@ PROFILES: dict[str, Settings] = {
                      fault_at_s=(130.0, 260.0), goodput_bound_s=600.0, state_mb=200,
                      snapshot_every="1s"),
 }
+# --nodes 2 (with --long): the kill and the hang earlier, so the lost node comes too
+NODES_FAULT_AT_S = (100.0, 200.0, 300.0)
+# --nodes 2: the heartbeat timeout of ours and NVRx alike. A node's first replica of a
+# 200 MB snapshot (fresh memory at both ends) stalled the ranks of a fault-free run for up
+# to 1.96 s here (the longest heartbeat gap; 0.29 s without replicas), past 2 s.
+NODES_HB_TIMEOUT_S = 5.0
 LONG_MEASURES = "goodput"
 LONG_LAUNCHERS = f"{measures.SNAP},torchrun,nvrx"
 
@@ -121,6 +129,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--long", action="store_true",
                    help="goodput over a long schedule: >= 5 min of fault-free training, a "
                         "kill and a hang at fixed times, 3 runs (~2 h 15 min)")
+    p.add_argument("--nodes", type=int, choices=(1, 2), default=1,
+                   help="each goodput run on this many launchers on loopback (one rank "
+                        "each) and a spare, and a third fault loses a node; goodput only [1]")
     p.add_argument("--snapshot-every", default=None, metavar="EVERY",
                    help="ours-snap's --ft-snapshot-every, e.g. 2s or 50 [1; --long: 1s]")
     p.add_argument("--keep-runs", action="store_true",
@@ -151,6 +162,15 @@ def _selection(args: argparse.Namespace) -> tuple[list[str], list[str], str]:
         "long" if args.long else "full"
     return (_choice("--only", only, ALL_MEASURES + EXTRA_MEASURES),
             _choice("--launchers", names, LAUNCHER_CHOICES), profile)
+
+
+def on_nodes(s: Settings, nodes: int, selected: list[str]) -> Settings:
+    """``s`` for goodput on ``nodes`` launchers (--nodes): a third fault, the lost node, on
+    the fixed schedule too, and the heartbeat timeout for replicated snapshots."""
+    if selected != ["goodput"]:
+        raise SystemExit(f"error: --nodes {nodes}: goodput only (--long, or --only goodput)")
+    return dataclasses.replace(s, nodes=nodes, hb_timeout_s=NODES_HB_TIMEOUT_S,
+                               fault_at_s=NODES_FAULT_AT_S if s.fault_at_s else ())
 
 
 def machine_info() -> dict[str, Any]:
@@ -195,7 +215,7 @@ def method(s: Settings) -> list[str]:
         "torch.distributed.run --standalone --local-addr 127.0.0.1 from the same torch; NVRx "
         "= ft_launcher of nvidia-resiliency-ext 0.4.1 in its own virtualenv "
         "(.bench/nvrx-venv, same torch and numpy) with --standalone --local-addr 127.0.0.1 "
-        f"--ft-enable-nic-monitor false. Heartbeat timeout {measures.HB_TIMEOUT_S:g} s for "
+        f"--ft-enable-nic-monitor false. Heartbeat timeout {s.hb_timeout_s:g} s for "
         f"ours and NVRx (initial timeout {measures.INITIAL_TIMEOUT_S:g} s); every other "
         "option at its default (NVRx's workload_check_interval is 5 s).",
         f"ours-warm = ours with --ft-warm-restart --ft-preload {s.warm_preload}: one zygote "
@@ -264,14 +284,19 @@ def method(s: Settings) -> list[str]:
 
 def _goodput_method(s: Settings) -> list[str]:
     """The goodput measure's notes: its schedule, and ours-snap when it may run."""
+    node = s.nodes > 1
     if s.fault_at_s:
-        kill, hang = s.fault_at_s
+        kill, hang, *lose = s.fault_at_s
         when = (f"SIGKILL of rank 1 {kill:g} s after the first step of cycle 0, SIGSTOP of "
-                f"rank 1 {hang:g} s after it (or, when cycle 1 has not taken its first step "
-                "by then, at that first step), the same times for every launcher")
+                f"rank 1 {hang:g} s after it"
+                + (f", the loss of a node {lose[0]:g} s after it" if node else "")
+                + " (or, when the next cycle has not taken its first step by then, at that "
+                "first step), the same times for every launcher")
     else:
         when = (f"SIGKILL of rank 1 {s.fault_after_s:g} s after the first step of cycle 0, "
-                f"SIGSTOP of rank 1 {s.fault_after_s:g} s after the first step of cycle 1")
+                f"SIGSTOP of rank 1 {s.fault_after_s:g} s after the first step of cycle 1"
+                + (f", the loss of a node {s.fault_after_s:g} s after the first step of "
+                   "cycle 2" if node else ""))
     state = (f", {s.state_mb} MB of extra state per rank (the workload's --state-mb: a "
              "float32 tensor changed every step, in every checkpoint and snapshot)"
              if s.state_mb else "")
@@ -280,8 +305,8 @@ def _goodput_method(s: Settings) -> list[str]:
         f"of sleep each{state}, a disk checkpoint every {s.ckpt_every:,} steps, resume "
         "from it; "
         "each fault-free run records the checkpoint interval in seconds as "
-        "ckpt_interval_s) run once fault-free and once with two faults (--max-restarts "
-        f"3): {when}; "
+        f"ckpt_interval_s) run once fault-free and once with {3 if node else 2} faults "
+        f"(--max-restarts 3): {when}; "
         "ours-warm gets each fault at that time or, when later, once its standbys are ready "
         "(so it trains longer before each fault; the work lost is what follows the last "
         "checkpoint either way, and the whole training is the same). goodput "
@@ -294,8 +319,11 @@ def _goodput_method(s: Settings) -> list[str]:
         "Work lost per fault (lost in the JSON): the step rank 1 had finished when the "
         "fault was sent (its cycle's first step plus its heartbeats since, from the "
         "workload's --hb-mark) against the step the next cycle resumed from, and from "
-        "what (snapshot, disk, none). A lost node is out of scope: this harness runs one "
-        "node, so its faults are a killed and a stopped rank.",
+        "what (snapshot, disk, none)"
+        + (" (for the lost node: the step its rank had finished)." if node else
+           ". A lost node needs --nodes 2: one node's faults are a killed and a stopped "
+           "rank."),
+        *_nodes_method(s),
         "ours-snap (only where named in --launchers, and in --long) = ours with its "
         f"defaults plus --ft-snapshot-every {s.snapshot_every}, and the workload's "
         "--snapshots: after every step each rank offers client.snapshot() its training "
@@ -303,6 +331,27 @@ def _goodput_method(s: Settings) -> list[str]:
         "restarted cycle resumes from client.restore() when it "
         "returns a snapshot, before the disk checkpoint (which it keeps writing as the "
         "others do). torchrun and NVRx resume from the disk checkpoint only.",
+    ]
+
+
+def _nodes_method(s: Settings) -> list[str]:
+    """How a job runs on several nodes (--nodes), when it does."""
+    if s.nodes < 2:
+        return []
+    return [
+        f"Nodes (--nodes {s.nodes}): every run is {s.nodes} launchers of the same kind on "
+        f"loopback, {s.nproc // s.nodes} rank each, with a c10d rendezvous (--nnodes "
+        f"{s.nodes}:{s.nodes}, the first node hosts the store, --rdzv-conf is_host=true or "
+        "false, one free port per run), in place of --standalone / --master-addr; once "
+        "every rank has taken its first step a spare launcher joins and waits. Each node "
+        "has its own directory (its run directory, its workers' events file); the "
+        "checkpoint directory is shared, as on a shared file system. The lost node is "
+        "the node of a rank that does not host the store: the driver SIGKILLs its "
+        "launcher and every process under it (a node that dies). The job has ended when "
+        "every node that ran a worker and was not lost has exited (a spare still waiting "
+        "is then stopped). ours-snap also keeps a replica of each rank's snapshot on "
+        "another node (--ft-snapshot-replicas 1). torchrun and NVRx take the same "
+        "rendezvous options and their other options as above.",
     ]
 
 
@@ -368,10 +417,11 @@ def run_all(ctx: Context, selected: list[str], launchers: list[str]
                 log.info("%-22s %5.1f s  %s", tag, time.monotonic() - t0,
                          json.dumps(result, sort_keys=True))
                 raw[kind][launcher].append(result)
-    return _derive(raw, selected), leftovers
+    return _derive(raw, selected, ctx.settings.nodes), leftovers
 
 
-def _derive(raw: dict[str, Any], selected: list[str]) -> dict[str, dict[str, list[Any]]]:
+def _derive(raw: dict[str, Any], selected: list[str], nodes: int = 1
+            ) -> dict[str, dict[str, list[Any]]]:
     """Turn clean/faulted runs into the startup and goodput measures."""
     out = {k: v for k, v in raw.items() if k not in ("clean", "faulted")}
     clean = raw.get("clean", {})
@@ -390,7 +440,7 @@ def _derive(raw: dict[str, Any], selected: list[str]) -> dict[str, dict[str, lis
                 row.update({k: f[k] for k in ("warm", "standby_wait_s", "cold_wall_s", "lost")
                             if k in f})
                 row.update({k: c[k] for k in ("ckpt_interval_s",) if k in c})
-                row.update(_redone(f.get("lost")))
+                row.update(_redone(f.get("lost"), nodes))
                 if row["clean_wall_s"] and row["faulted_wall_s"]:
                     row["goodput"] = round(row["clean_wall_s"] / row["faulted_wall_s"], 4)
                 else:
@@ -418,24 +468,32 @@ def _goodput_against_pair(rows: dict[str, list[dict[str, Any]]]) -> None:
                 row["bounded"] = [*row["bounded"], "goodput_pair"]
 
 
-def _redone(lost: list[dict[str, Any] | None] | None) -> dict[str, int | None]:
-    """Steps redone after the kill and after the hang, from a faulted run's ``lost``
-    (None where a fault was not sent or no next cycle resumed)."""
+def _redone(lost: list[dict[str, Any] | None] | None, nodes: int = 1
+            ) -> dict[str, int | None]:
+    """Steps redone after the kill, the hang and (on several ``nodes``) the lost node, from
+    a faulted run's ``lost`` (None where a fault was not sent or no next cycle resumed)."""
+    keys = ["redone_kill", "redone_hang"] + (["redone_node"] if nodes > 1 else [])
     found = [(x or {}).get("redone") for x in lost or []]
-    found += [None] * (2 - len(found))
-    return {"redone_kill": found[0], "redone_hang": found[1]}
+    found += [None] * (len(keys) - len(found))
+    return dict(zip(keys, found, strict=False))
 
 
 def write(doc: dict[str, Any], out: Path) -> None:
     """Summaries, ratios and targets from the raw figures; results.json and RESULTS.md."""
     raw = doc["raw"]
     doc["metrics"] = [report.summarize(m, raw[m.measure]) for m in report.METRICS
-                      if m.measure in raw]
+                      if m.measure in raw and _recorded(m.key, raw[m.measure])]
     doc["targets"] = report.targets(doc["metrics"])
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
     (out / "RESULTS.md").write_text(report.markdown(doc))
     log.info("wrote %s and %s", out / "results.json", out / "RESULTS.md")
+
+
+def _recorded(key: str, runs: dict[str, list[dict[str, Any]]]) -> bool:
+    """Whether any run has ``key`` (a figure only some schedules have, such as the steps
+    redone after a lost node, is left out of the others' tables)."""
+    return any(key in r for results in runs.values() for r in results)
 
 
 def render(path: Path, out: Path) -> int:
@@ -482,6 +540,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.repeat < 1:
             raise SystemExit(f"error: --repeat: expected a positive count, got {args.repeat}")
         settings.repeat = args.repeat
+    if args.nodes > 1:
+        settings = on_nodes(settings, args.nodes, selected)
     if args.snapshot_every is not None:
         from ft_launcher.config import ConfigError, parse_ft_value  # noqa: PLC0415
         try:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from nodes_run import NodesRun
 from runner import JsonlTail, LineTail, Run, base_env, process_status
 
 log = logging.getLogger("bench")
@@ -77,6 +78,10 @@ class Settings:
     standby_bound_s: float = 30.0  # ours-warm: how long a fault waits for ready standbys
     state_mb: int = 0  # the training's extra state per rank, in checkpoints and snapshots
     snapshot_every: str = "1"  # ours-snap's --ft-snapshot-every
+    # > 1: each run is that many launchers on loopback (nproc // nodes ranks each, c10d)
+    # and a spare (nodes_run.py); goodput's third fault then loses a node
+    nodes: int = 1
+    hb_timeout_s: float = HB_TIMEOUT_S  # the goodput runs' --ft-rank-heartbeat-timeout
 
 
 @dataclass
@@ -94,15 +99,22 @@ class Launchers:
 
     def argv(self, name: str, nproc: int, max_restarts: int, workdir: Path,
              workload_args: list[str], preload: str = WARM_PRELOAD,
-             ours_preload: str | None = None, snapshot_every: str = "1") -> list[str]:
+             ours_preload: str | None = None, snapshot_every: str = "1",
+             rdzv: list[str] | None = None, hb_timeout_s: float = HB_TIMEOUT_S
+             ) -> list[str]:
         """The launcher's command line with the workload and the client that goes with it
         (``preload``: what ours-warm's standbys import; ``ours_preload``: ours', when not
-        the launcher's default; ``snapshot_every``: ours-snap's --ft-snapshot-every)."""
+        the launcher's default; ``snapshot_every``: ours-snap's --ft-snapshot-every;
+        ``rdzv``: one node's rendezvous options instead of a standalone job, and then
+        ours-snap keeps a replica of each snapshot on another node; ``hb_timeout_s``: the
+        heartbeat timeout of ours and NVRx)."""
         n, r = str(nproc), str(max_restarts)
-        hb, init = str(HB_TIMEOUT_S), str(INITIAL_TIMEOUT_S)
+        hb, init = str(hb_timeout_s), str(INITIAL_TIMEOUT_S)
+        standalone = ["--standalone", "--local-addr", "127.0.0.1"]
         if name in OURS:
-            head = [*self.ours, "--nproc-per-node", n, "--max-restarts", r,
-                    "--master-addr", "127.0.0.1", "--ft-run-dir", str(workdir / "ft_run"),
+            head = [*self.ours, *(rdzv or ["--master-addr", "127.0.0.1"]),
+                    "--nproc-per-node", n, "--max-restarts", r,
+                    "--ft-run-dir", str(workdir / "ft_run"),
                     "--ft-rank-heartbeat-timeout", hb, "--ft-initial-rank-heartbeat-timeout",
                     init]
             if name == WARM:
@@ -111,6 +123,8 @@ class Launchers:
                 head += ["--ft-preload", ours_preload]
             if name == SNAP:
                 head += ["--ft-snapshot-every", snapshot_every]
+                if rdzv:
+                    head += ["--ft-snapshot-replicas", "1"]
                 workload_args = [*workload_args, "--snapshots"]
             if name in (COLD, STORE):
                 head += ["--no-ft-warm-restart"]
@@ -118,13 +132,12 @@ class Launchers:
                 head += ["--ft-agent-store"]
             client = "ours"
         elif name == "torchrun":
-            head = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                    "--local-addr", "127.0.0.1", "--nproc-per-node", n, "--max-restarts", r]
+            head = [sys.executable, "-m", "torch.distributed.run", *(rdzv or standalone),
+                    "--nproc-per-node", n, "--max-restarts", r]
             client = "none"
         elif name == "nvrx":
             assert self.nvrx is not None, "NVRx venv not prepared"
-            head = [*self.nvrx, "--standalone", "--local-addr", "127.0.0.1",
-                    "--nproc-per-node", n, "--max-restarts", r,
+            head = [*self.nvrx, *(rdzv or standalone), "--nproc-per-node", n, "--max-restarts", r,
                     "--ft-rank-heartbeat-timeout", hb,
                     "--ft-initial-rank-heartbeat-timeout", init,
                     "--ft-enable-nic-monitor", "false",
@@ -150,11 +163,19 @@ class Context:
     def run(self, tag: str, launcher: str, nproc: int, max_restarts: int,
             workload_args: list[str]) -> Run:
         workdir = self.root / tag
-        argv = self.launchers.argv(launcher, nproc, max_restarts, workdir, workload_args,
-                                   preload=self.settings.warm_preload,
-                                   ours_preload=self.settings.ours_preload,
-                                   snapshot_every=self.settings.snapshot_every)
-        run = Run(name=tag, argv=argv, workdir=workdir, env=base_env(workdir))
+        s = self.settings
+
+        def argv(node_dir: Path, rdzv: list[str] | None = None) -> list[str]:
+            return self.launchers.argv(launcher, nproc // s.nodes, max_restarts, node_dir,
+                                       workload_args, preload=s.warm_preload,
+                                       ours_preload=s.ours_preload,
+                                       snapshot_every=s.snapshot_every, rdzv=rdzv,
+                                       hb_timeout_s=s.hb_timeout_s)
+        if s.nodes > 1:
+            run: Run = NodesRun(name=tag, argv=[], workdir=workdir, env={}, argv_for=argv,
+                                nodes=s.nodes, world=nproc)
+        else:
+            run = Run(name=tag, argv=argv(workdir), workdir=workdir, env=base_env(workdir))
         self.runs.append(run)
         return run
 
@@ -509,8 +530,9 @@ def clean(ctx: Context, launcher: str, tag: str) -> Result:
 
 
 def faulted(ctx: Context, launcher: str, tag: str) -> Result:
-    """The fixed training with a kill in cycle 0 and a hang in cycle 1, bounded in time;
-    ``lost``: per fault, the step rank 1 had reached and where the next cycle resumed.
+    """The fixed training with a kill in cycle 0 and a hang in cycle 1 (and, on several
+    nodes, the loss of a node that does not host the store in cycle 2), bounded in time;
+    ``lost``: per fault, the step the victim had reached and where the next cycle resumed.
 
     ours-warm gets each fault only once every local rank has a ready standby (later than
     planned when the standbys are still importing); a run whose standbys are not
@@ -528,7 +550,7 @@ def faulted(ctx: Context, launcher: str, tag: str) -> Result:
         deadline = time.monotonic() + bound
         seen: set[int] = set()
         t_zero: float | None = None
-        for index, fault in enumerate((signal.SIGKILL, signal.SIGSTOP)):
+        for index, fault in enumerate(FAULTS if s.nodes > 1 else FAULTS[:2]):
             left = deadline - time.monotonic()
             if not run.wait(lambda ex=frozenset(seen): _all_started(run, s.nproc, ex), left):
                 break
@@ -539,19 +561,21 @@ def faulted(ctx: Context, launcher: str, tag: str) -> Result:
                 left = min(s.standby_bound_s, deadline - time.monotonic())
                 waited = _wait_standbys(run, ft, s.nproc, max(0.0, left))
                 if waited is None and not run.events("done"):
-                    steps.append(f"{signal.Signals(fault).name} not sent: "
-                                 f"{_not_ready(left)}")
+                    steps.append(f"{fault} not sent: {_not_ready(left)}")
                     return {"wall_s": None, "bounded": [], "faults": steps,
                             "note": _not_ready(left), **extra}
                 extra.setdefault("standby_wait_s", []).append(waited)
             seen |= run.worker_pids()
             if len(run.events("done")):
-                steps.append(f"{signal.Signals(fault).name} missed: training already done")
+                steps.append(f"{fault} missed: training already done")
                 break
-            victim = run.pid_of(1)
+            victim = run.pid_off_host() if fault == NODE_LOST else run.pid_of(1)
             at_fault.append((_step_reached(run, mark, victim), frozenset(seen)))
-            run.signal_worker(victim, fault)
-            steps.append(signal.Signals(fault).name)
+            if fault == NODE_LOST:
+                run.lose_node(victim)
+            else:
+                run.signal_worker(victim, getattr(signal, fault))
+            steps.append(fault)
         run.wait_exit(max(0.0, deadline - time.monotonic()))
         if ft is not None:
             sent = [x for x in steps if x in ("SIGKILL", "SIGSTOP")]  # one restart each
@@ -570,6 +594,10 @@ def faulted(ctx: Context, launcher: str, tag: str) -> Result:
         out["cold_wall_s"] = out.pop("wall_s")
         out.update(wall_s=None, note=f"a restart was not warm (warm={extra['warm']})")
     return out
+
+
+NODE_LOST = "node lost"  # SIGKILL of a node that does not host the store, all of it
+FAULTS = ("SIGKILL", "SIGSTOP", NODE_LOST)  # goodput's faults, in the order they come
 
 
 def fault_time(s: Settings, index: int, t_zero: float, t_cycle: float) -> float:

@@ -57,15 +57,17 @@ METRICS = [
     Metric("training", "cpu_pct", "launcher-side CPU, 2 ranks training, a heartbeat a step",
            "% of a core"),
     Metric("training", "sections_cpu_pct", "same, each step also in a section", "% of a core"),
-    Metric("goodput", "goodput", "goodput: fault-free wall ÷ wall with a kill and a hang", "",
+    Metric("goodput", "goodput", "goodput: fault-free wall ÷ wall with the faults", "",
            better="higher"),
     Metric("goodput", "goodput_pair", "goodput: the pair's fastest fault-free wall ÷ wall with "
-           "a kill and a hang (charges per-step costs such as snapshots)", "", better="higher"),
-    Metric("goodput", "faulted_wall_s", "wall time with a kill and a hang", "s"),
+           "the faults (charges per-step costs such as snapshots)", "", better="higher"),
+    Metric("goodput", "faulted_wall_s", "wall time with the faults", "s"),
     Metric("goodput", "clean_wall_s", "wall time fault-free", "s"),
     Metric("goodput", "redone_kill", "steps redone after the kill (step reached − step "
            "resumed from)", "steps", ratio=False, digits=0),
     Metric("goodput", "redone_hang", "steps redone after the hang, same", "steps",
+           ratio=False, digits=0),
+    Metric("goodput", "redone_node", "steps redone after the lost node, same", "steps",
            ratio=False, digits=0),
 ]
 

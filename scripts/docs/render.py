@@ -201,6 +201,8 @@ BENCH_RUNS = [  # (file, section title); files written by scripts/bench/bench.py
     ("defaults_side_quiet.json", "Crash recovery with the defaults, side by side, quiet machine"),
     ("goodput_long.json", "Goodput over a long schedule, with in-memory snapshots"),
     ("goodput_long_2s.json", "Goodput over a long schedule, snapshots every 2 s"),
+    ("goodput_long_nodes.json", "Goodput over a long schedule with a lost node: two nodes "
+     "and a spare"),
 ]
 
 WARM_KEYS = {
