@@ -25,6 +25,7 @@ from runner import POLL_S, Run, base_env
 
 STORE_BOUND_S = 60.0  # the host's launcher start -> its store listening
 
+
 def rdzv_options(nodes: int, port: int, run_id: str, is_host: bool) -> list[str]:
     """torchrun's rendezvous options for one node of ``nodes`` plus spares. Each node says
     whether it hosts the store: on one machine every node matches the endpoint's host."""
