@@ -4,6 +4,8 @@ times, the work lost per fault, the targets. Pure logic, nothing started."""
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 from pathlib import Path
 
@@ -327,3 +329,23 @@ def test_nodes_mode_adds_the_lost_node_to_the_long_schedule_and_its_notes() -> N
     # a figure no run has (the lost node's, on one node) is left out of the tables
     assert bench._recorded("redone_node", {"ours": [{"redone_node": None}]})
     assert not bench._recorded("redone_node", {"ours": [{"redone_kill": 3}]})
+
+
+def test_the_snapshot_area_of_a_lost_node_is_removed_and_nothing_else(tmp_path: Path) -> None:
+    shm = tmp_path / "shm"
+    mine = shm / f"ft_snapshots-{os.getuid()}-job-abc"
+    other_user = shm / f"ft_snapshots-{os.getuid() + 1}-job-abc"
+    elsewhere = tmp_path / f"ft_snapshots-{os.getuid()}-job-abc"
+    for d in (mine / "rank_1", other_user, elsewhere):
+        d.mkdir(parents=True)
+    node = tmp_path / "n1"
+    (node / "ft_run").mkdir(parents=True)
+    records = [{"event": "launcher_started"}, "not an object", {"event": "snapshots_ready"},
+               *({"event": "snapshots_ready", "path": str(p)}
+                 for p in (mine, other_user, elsewhere))]
+    (node / "ft_run" / "events.jsonl").write_text(
+        "\n".join(json.dumps(r) for r in records) + "\n{torn")
+    assert nodes_run.remove_snapshot_area(node, shm) == [mine]
+    assert not mine.exists() and other_user.is_dir() and elsewhere.is_dir()
+    # torchrun's and NVRx's nodes have no run directory: nothing to do
+    assert nodes_run.remove_snapshot_area(tmp_path / "none", shm) == []

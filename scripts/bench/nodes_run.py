@@ -8,11 +8,15 @@ records of every node's workers are merged in time order, so the goodput measure
 
 The job has ended when every node that ran a worker and was not lost has exited (a spare
 that was never needed is then stopped by the driver); its exit code is the first non-zero
-one of those, else 0.
+one of those, else 0. A lost node's launcher cannot remove its snapshot area from shared
+memory; the driver does, as the node's reboot would.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 import signal
 import time
 from collections.abc import Callable
@@ -22,6 +26,8 @@ from pathlib import Path
 import psutil
 from loopback_nodes import free_port, listening
 from runner import POLL_S, Run, base_env
+
+from ft_launcher.snapshots.area import PREFIX, SHM
 
 STORE_BOUND_S = 60.0  # the host's launcher start -> its store listening
 
@@ -135,6 +141,32 @@ class NodesRun(Run):
     def stop(self) -> None:
         for node in self.members.values():
             node.stop()
+        for name in self.lost:
+            remove_snapshot_area(self.members[name].workdir)
 
     def leftovers(self) -> list[int]:
         return [pid for node in self.members.values() for pid in node.leftovers()]
+
+
+def remove_snapshot_area(node_dir: Path, shm: Path = SHM) -> list[Path]:
+    """Remove the snapshot areas that ours' launcher in ``node_dir`` announced
+    (``snapshots_ready``) and, SIGKILLed, could not remove; only a directory right under
+    ``shm`` named as the launcher names this user's. Returns what was removed."""
+    try:
+        lines = (node_dir / "ft_run" / "events.jsonl").read_text().splitlines()
+    except OSError:
+        return []  # not ours, or it never started
+    removed = []
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(rec, dict) or rec.get("event") != "snapshots_ready":
+            continue
+        path = Path(str(rec.get("path")))
+        if path.parent == shm and path.name.startswith(f"{PREFIX}-{os.getuid()}-") \
+                and path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
