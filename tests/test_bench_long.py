@@ -14,6 +14,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts" / "bench"))
 import bench  # noqa: E402
+import loopback_nodes  # noqa: E402
 import measures  # noqa: E402
 import nodes_run  # noqa: E402
 import report  # noqa: E402
@@ -224,7 +225,7 @@ def test_steps_redone_per_fault_become_two_rows() -> None:
 
 def test_a_node_takes_the_rendezvous_options_instead_of_a_standalone_job() -> None:
     lnch = measures.Launchers(ours=["ft_launcher"], nvrx=["nvrx_launcher"])
-    rdzv = nodes_run.rdzv_options(2, 29400, "job", is_host=False)
+    rdzv = loopback_nodes.rdzv_options("2:2", 29400, "job", is_host=False)
     assert rdzv == ["--nnodes", "2:2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
                     "127.0.0.1:29400", "--rdzv-id", "job", "--rdzv-conf", "is_host=false"]
     for name in ("ours", "ours-snap", "torchrun", "nvrx"):

@@ -45,15 +45,46 @@ def listening(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
+def rdzv_options(nnodes: str, port: int, run_id: str, is_host: bool) -> list[str]:
+    """One node's torchrun-style rendezvous options on loopback. Each node says whether it
+    hosts the store (``is_host``), as torch's c10d backend reads it from ``--rdzv-conf``: on
+    one machine every node matches the endpoint's host name, so it must be told."""
+    return ["--nnodes", nnodes, "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id,
+            "--rdzv-conf", f"is_host={'true' if is_host else 'false'}"]
+
+
+def node_tree(run: Run) -> list[psutil.Process]:
+    """A node's launcher and every process under it now."""
+    assert run.proc is not None
+    try:
+        top = psutil.Process(run.proc.pid)
+        return [top, *top.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def signal_node(run: Run, sig: int) -> float:
+    """Send ``sig`` to a node's launcher and every process under it now, tracking them all
+    so the run's teardown ends them even with the launcher gone. Returns the wall time just
+    before the first signal."""
+    procs = node_tree(run)
+    for p in procs:
+        run._tracked.setdefault(p.pid, p)
+    t = time.time()
+    for p in procs:
+        try:
+            p.send_signal(sig)
+        except psutil.Error:
+            pass
+    return t
+
+
 def launcher_argv(kind: str, *, run_dir: Path, out: Path, port: int, nnodes: str,
                   run_id: str, is_host: bool, ours_extra: tuple[str, ...] = ()) -> list[str]:
     """The same torchrun-style options for both launchers; ours adds its run directory and
-    ``ours_extra``. Each node says whether it hosts the store (``is_host``), as torch's
-    c10d backend reads it from ``--rdzv-conf``: on one machine every node matches the
-    endpoint's host name, so it must be told."""
-    common = ["--nnodes", nnodes, "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-              "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id,
-              "--rdzv-conf", f"is_host={'true' if is_host else 'false'}",
+    ``ours_extra``."""
+    common = [*rdzv_options(nnodes, port, run_id, is_host), "--nproc-per-node", "1",
               "--max-restarts", "5"]
     if kind == "ours":
         head = [sys.executable, "-m", "ft_launcher.cli", "--ft-run-dir", str(run_dir),
@@ -166,13 +197,7 @@ class Cluster:
 
     def node_processes(self, name: str) -> list[psutil.Process]:
         """The node's launcher and every process under it now."""
-        run = self.runs[name]
-        assert run.proc is not None
-        try:
-            top = psutil.Process(run.proc.pid)
-            return [top, *top.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            return []
+        return node_tree(self.runs[name])
 
     # -- faults ------------------------------------------------------------------------
 
@@ -181,16 +206,7 @@ class Cluster:
         ``freeze``: SIGSTOP them all (a node that stops answering). Returns the wall time
         just before the first signal."""
         sig = {"kill": signal.SIGKILL, "freeze": signal.SIGSTOP}[how]
-        procs = self.node_processes(name)
-        for p in procs:  # tracked, so the teardown ends them even if the launcher is gone
-            self.runs[name]._tracked.setdefault(p.pid, p)
-        t = time.time()
-        for p in procs:
-            try:
-                p.send_signal(sig)
-            except psutil.Error:
-                pass
-        return t
+        return signal_node(self.runs[name], sig)
 
     # -- teardown ----------------------------------------------------------------------
 

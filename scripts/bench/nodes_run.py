@@ -23,21 +23,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import psutil
-from loopback_nodes import free_port, listening
+from loopback_nodes import free_port, listening, rdzv_options, signal_node
 from runner import POLL_S, Run, base_env
 
 from ft_launcher.snapshots.area import PREFIX, SHM
 
 STORE_BOUND_S = 60.0  # the host's launcher start -> its store listening
-
-
-def rdzv_options(nodes: int, port: int, run_id: str, is_host: bool) -> list[str]:
-    """torchrun's rendezvous options for one node of ``nodes`` plus spares. Each node says
-    whether it hosts the store: on one machine every node matches the endpoint's host."""
-    return ["--nnodes", f"{nodes}:{nodes}", "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id,
-            "--rdzv-conf", f"is_host={'true' if is_host else 'false'}"]
+HOST = "n0"  # the node whose launcher hosts the c10d store
 
 
 @dataclass
@@ -54,7 +46,8 @@ class NodesRun(Run):
     def _start_node(self, name: str, is_host: bool) -> Run:
         assert self.argv_for is not None
         workdir = self.workdir / name
-        argv = self.argv_for(workdir, rdzv_options(self.nodes, self.port, self.name, is_host))
+        nnodes = f"{self.nodes}:{self.nodes}"  # a fixed world; the spare waits
+        argv = self.argv_for(workdir, rdzv_options(nnodes, self.port, self.name, is_host))
         node = Run(name=f"{self.name}/{name}", argv=argv, workdir=workdir,
                    env=base_env(workdir))
         self.members[name] = node
@@ -64,7 +57,7 @@ class NodesRun(Run):
     def start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.t_start = time.time()
-        host = self._start_node("n0", is_host=True)
+        host = self._start_node(HOST, is_host=True)
         deadline = time.monotonic() + STORE_BOUND_S
         while not listening(self.port):
             host.refresh()
@@ -105,7 +98,7 @@ class NodesRun(Run):
         """The newest worker of a rank whose node does not host the store."""
         for rank in range(self.world):
             pid = self.pid_of(rank)
-            if self.node_of(pid) not in (None, "n0"):
+            if self.node_of(pid) not in (None, HOST):
                 return pid
         raise LookupError(f"{self.name}: no rank runs on a node other than the host")
 
@@ -120,23 +113,8 @@ class NodesRun(Run):
         it (a node that dies). Returns the wall time just before the first signal."""
         name = self.node_of(pid)
         assert name is not None, f"{self.name}: no node runs pid {pid}"
-        node = self.members[name]
-        assert node.proc is not None
-        try:
-            top = psutil.Process(node.proc.pid)
-            procs = [top, *top.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            procs = []
-        for p in procs:  # tracked, so the teardown ends them even with the launcher gone
-            node._tracked.setdefault(p.pid, p)
         self.lost.add(name)
-        t = time.time()
-        for p in procs:
-            try:
-                p.send_signal(signal.SIGKILL)
-            except psutil.Error:
-                pass
-        return t
+        return signal_node(self.members[name], signal.SIGKILL)
 
     def stop(self) -> None:
         for node in self.members.values():
