@@ -143,7 +143,7 @@ def _slowed_run(tmp_path: Path, work: str, idle: str) -> dict:
     try:
         deadline = time.monotonic() + 40
         while proc.poll() is None and time.monotonic() < deadline:
-            found = named(events(run_dir), "straggler_detected")
+            found = [e for e in named(events(run_dir), "straggler_detected") if e["rank"] == 1]
             if found and sum(ts > found[0]["ts"] for ts, _ in _compute_times(out, 1)) >= 60:
                 break
             time.sleep(0.2)
@@ -158,17 +158,33 @@ def _slowed_run(tmp_path: Path, work: str, idle: str) -> dict:
     evs = events(run_dir)
     injected = named(evs, "fault_injected")
     assert [(e["rank"], e["by"]) for e in injected] == [(1, "sections")], injected
-    onset = injected[0]["ts"]
+    # When the rank stretched its first section (its own clock), not when the launcher heard
+    # of it: the report can arrive after the launcher has already named the rank.
+    onset = injected[0]["at"]
     # The same steps of both ranks (a synchronous job: step k ends together), from a step
     # after the onset to the stop.
     slowed, peer = _compute_times(out, 1), _compute_times(out, 0)
     first = next(i for i, (ts, _) in enumerate(slowed) if ts > onset) + 1
     pairs = list(zip(slowed[first:], peer[first:], strict=False))
     detected = named(evs, "straggler_detected")
+    after = [e for e in detected if e["ts"] > onset]
     return {"slowed_s": statistics.median(s for (_, s), _ in pairs),
             "peer_s": statistics.median(p for _, (_, p) in pairs), "steps": len(pairs),
-            "detected": detected, "steps_to_verdict": None if not detected else sum(
-                onset < ts <= detected[0]["ts"] for ts, _ in slowed), "output": output}
+            "before": [e for e in detected if e["ts"] <= onset], "after": after,
+            "steps_to_verdict": None if not after else sum(
+                onset < ts <= after[0]["ts"] for ts, _ in slowed),
+            "times": (peer, slowed), "output": output}
+
+
+def _was_slower(times: tuple[list, list], verdict: dict, window: int = 12) -> bool:
+    """Whether the rank ``verdict`` names ran its last ``window`` sections before the
+    verdict clearly slower than the other rank's same steps, by the job's own log: 1.2x, a
+    little under the default threshold (1.3) because the log's last steps before the
+    verdict's time may be a step off those the launcher had heard of."""
+    mine, other = times[verdict["rank"]], times[1 - verdict["rank"]]
+    last = [i for i, (ts, _) in enumerate(mine) if ts <= verdict["ts"]][-window:]
+    return (statistics.median(mine[i][1] for i in last)
+            >= 1.2 * statistics.median(other[i][1] for i in last))
 
 
 @pytest.mark.parametrize(("work", "idle"), [("175000", "0.01"), ("55000", "0.01")],
@@ -179,12 +195,19 @@ def test_a_slowed_rank_s_section_takes_factor_times_the_peers_and_is_named(tmp_p
     ratio = got["slowed_s"] / got["peer_s"]
     print(f"section medians over {got['steps']} steps: slowed {got['slowed_s'] * 1e3:.2f} ms, "
           f"peer {got['peer_s'] * 1e3:.2f} ms (x{ratio:.2f}); verdict after "
-          f"{got['steps_to_verdict']} steps")
+          f"{got['steps_to_verdict']} steps; {len(got['before'])} verdict(s) before the onset")
     # Exact on the rank's own work (the fake-clock tests above); here each rank's work
-    # also varies with the load on 2 shared cores (x1.79 seen on a busy CI machine for the
-    # 2 ms section), so the bound is loose: the throttle this replaced gave x1.0 here.
-    assert 1.5 < ratio < 4.0, got["output"][-2000:]
-    assert {e["rank"] for e in got["detected"]} == {1}, got["detected"]
+    # varies with the load on 2 shared cores, and the stretch (a sleep) wakes late on a
+    # loaded machine, so the bound is loose: for the 2 ms section x1.79 was seen on a busy CI
+    # machine, x4.26 beside this test's other case. The throttle this replaced gave x1.0.
+    assert 1.5 < ratio < 5.0, got["output"][-2000:]
+    assert {e["rank"] for e in got["after"]} == {1}, got["after"]
+    # Before the onset nothing is slowed, but 2 shared cores under a busy CI machine can
+    # hold one rank's 2 ms section 1.3x the other's long enough to be named (rank 0 was, once,
+    # ~50 steps before the onset). Such a verdict must be true by the job's own log; the
+    # clean-run tests in test_straggler_e2e.py are the ones that assert none on a quiet run.
+    for verdict in got["before"]:
+        assert _was_slower(got["times"], verdict), (verdict, got["output"][-2000:])
     # The rule's own bound is on a fake clock (tests/test_straggler.py); here the wiring, with
     # room for a loaded machine (35 steps seen for the 2 ms section under the whole suite).
     assert got["steps_to_verdict"] <= 60, got["steps_to_verdict"]
@@ -200,13 +223,14 @@ def _plain_rows(out: Path, rank: int) -> list[list[float]]:
     return [[float(x) for x in r[1:]] for r in rows if len(r) == 5]
 
 
-def _throttled_run(tmp_path: Path, work: str, idle: str, steps: int = 150) -> dict:
-    """rank_slow:factor=3 on rank 1 of 2 of a plain script, 6 s after spawn; ``steps``
-    steps after the onset, then the stop file. Medians over the same steps of both ranks."""
+def _throttled_run(tmp_path: Path, idle: float, steps: int = 150) -> dict:
+    """rank_slow:factor=3 on rank 1 of 2 of a plain script (~10 ms of compute, then ``idle``
+    seconds of sleep), 6 s after spawn; ``steps`` steps after the onset, then the stop file.
+    Medians over the same steps of both ranks."""
     run_dir, out = tmp_path / "run", tmp_path / "out"
     cmd = launcher_cmd(run_dir, "--nproc-per-node", "2", "--workers-stop-timeout", "5",
                        "--ft-simulated-fault", "rank_slow:factor=3,rank=1,base_delay=6",
-                       PLAIN, str(out), "--work", work, "--idle", idle, "--seconds", "40")
+                       PLAIN, str(out), "--work", "175000", "--idle", str(idle), "--seconds", "40")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=ROOT, env={**os.environ})
     try:
@@ -242,7 +266,7 @@ def test_a_throttled_plain_script_s_compute_takes_factor_times_the_peers(tmp_pat
     """No sections: the launcher stops rank 1 for 2x each slice of its work. Its ~10 ms of
     compute (timed in the script) takes ~3x its peer's; its 10 ms sleep is not stretched."""
     idle = 0.01
-    got = _throttled_run(tmp_path, "175000", str(idle))
+    got = _throttled_run(tmp_path, idle)
     ratio = got["slowed_compute"] / got["peer_compute"]
     print(f"medians over {got['steps']} steps (ms): compute slowed "
           f"{got['slowed_compute'] * 1e3:.2f} peer {got['peer_compute'] * 1e3:.2f} "
