@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -69,6 +70,29 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
             return value
         time.sleep(interval)
     pytest.fail(f"timed out after {timeout} s waiting for {what}")
+
+
+def _stopped(pid: int) -> bool:
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return False
+    states = []
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                states.append(f.read().rsplit(b")", 1)[1].split()[0])
+        except (FileNotFoundError, IndexError):
+            continue  # a thread that has just exited
+    return bool(states) and all(state in (b"T", b"t") for state in states)
+
+
+def freeze(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP ``pid`` and return once every thread of it is stopped. kill() only queues the
+    stop; one thread takes it and then stops the others, so on a loaded machine another
+    thread can go on for milliseconds (seen: a replica server answered a whole fetch)."""
+    os.kill(pid, signal.SIGSTOP)
+    wait_for(lambda: _stopped(pid), timeout, f"every thread of pid {pid} to stop", 0.001)
 
 
 def processes_of(run_dir: Path) -> list[psutil.Process]:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from launch_helpers import freeze
 
 from ft_agent.snapshot import SnapshotError, commit_file, load, slot_file
 
@@ -268,7 +269,7 @@ def test_frozen_host_makes_fetch_and_push_fail_within_their_timeout(nodes, tmp_p
     src = str(a.root / "rank_0")
     assert a.ask(op="snapshot", dir=src, seed=1, mb=1, iteration=1)["ok"]
     assert a.ask(op="push", dir=src, rank=0, endpoint=b.endpoint)["ok"]
-    b.signal(signal.SIGSTOP)
+    freeze(b.proc.pid)
     try:
         for call in (lambda: fetch(b.endpoint, 0, tmp_path / "d", TOKEN, timeout=1.0),
                      lambda: push(src, 0, b.endpoint, TOKEN, timeout=1.0)):

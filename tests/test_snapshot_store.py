@@ -25,7 +25,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from launch_helpers import mounted_tmpfs
+from launch_helpers import freeze, mounted_tmpfs
 
 from ft_agent import snapshot_format as fmt
 from ft_agent.snapshot import (
@@ -263,7 +263,7 @@ def test_writer_sigkilled_mid_write_leaves_the_previous_snapshot_whole() -> None
         torn = None
         while torn is None and time.monotonic() < deadline:
             time.sleep(random.uniform(0, 0.02))
-            child.send_signal(signal.SIGSTOP)
+            freeze(child.pid)
             missing = [s for s in "ab" if not (d / commit_file(s)).exists()]
             if missing:
                 child.kill()

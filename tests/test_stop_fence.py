@@ -17,6 +17,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from launch_helpers import freeze
 
 from ft_agent import protocol
 from ft_agent.stop_fence import (
@@ -229,7 +230,7 @@ def _stop(proc: subprocess.Popen) -> None:
 def test_a_stopped_process_that_is_stale_exits_before_it_writes_again(tmp_path):
     proc, out = _child(tmp_path, threshold=1.0, answer="stale")
     try:
-        os.kill(proc.pid, signal.SIGSTOP)
+        freeze(proc.pid)
         stopped_at = time.time()
         time.sleep(2.0)
         os.kill(proc.pid, signal.SIGCONT)

@@ -83,5 +83,5 @@ def test_a_slow_rank_on_node_b_is_named_by_its_launcher_against_node_a(tmp_path:
     assert first["score"] > 2.0 and first["reference_s"] > 0
     assert named(events(runs["a"]), "straggler_detected") == [], "node a's rank is healthy"
     injected = named(events(runs["b"]), "fault_injected")
-    assert [e["rank"] for e in injected] == [1] and first["ts"] > injected[0]["ts"]
+    assert [e["rank"] for e in injected] == [1] and first["ts"] > injected[0]["at"]
     assert procs["a"].returncode == 0 and procs["b"].returncode == 0, logs
