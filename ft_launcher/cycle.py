@@ -209,7 +209,7 @@ def ignoring_since(monitor: Any, clock: Clock,
         now = clock.monotonic()
         if now < signalled_at + IGNORE_GRACE_S:
             return []
-        monitor.drain(now)
+        monitor.drain(clock.monotonic)
         active = monitor.last_activity()
         return [w for w in alive if w.rank in active
                 and active[w.rank] > signalled_at + IGNORE_GRACE_S]
@@ -371,7 +371,7 @@ class Cycle:
         self.stop_workers(result)
         faults.report_not_fired(self.armed, self.group.workers, d.clock.time(), self.number,
                                 d.events)
-        d.monitor.drain(d.clock.monotonic())  # reports sent while the group was stopping
+        d.monitor.drain(d.clock.monotonic)  # reports sent while the group was stopping
         late = self.check_controls() if result.outcome is Outcome.FAILED else None
         if late is not None:  # asked for just before exiting, read after the exit
             late.failures = result.failures
@@ -467,7 +467,7 @@ class Cycle:
             if dropped is not None:
                 return self.peers.dropped(dropped, now - planned)
         d.signals.drain_wakeups()
-        read, empty = d.monitor.drain(now)
+        read, empty = d.monitor.drain(d.clock.monotonic)
         if self.peers.fenced_out is not None:  # a rank's stop fence found this node out
             self.group.kill_all()
             return self.peers.dropped(*self.peers.fenced_out)

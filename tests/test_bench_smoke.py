@@ -258,7 +258,10 @@ def test_the_verdict_measure_stops_a_rank_right_after_a_heartbeat(tmp_path: Path
     assert set(doc["raw"]["verdict"]) == {"ours"}  # torchrun has no heartbeat client
     run = doc["raw"]["verdict"]["ours"][0]
     assert run["late_stop"] is False, run
-    assert 0 <= run["stop_after_return_ms"] < run["excess_ms"] < 2000, run
+    # Never before the timeout has passed since that call. Not ordered against the stop's
+    # delay: when the call was folded into one sent up to HEARTBEAT_FOLD_S before it, the
+    # verdict may come a fraction of a millisecond after the call's timeout.
+    assert run["stop_after_return_ms"] >= 0 and 0 <= run["excess_ms"] < 2000, run
     assert 1.5 < run["detect_s"] < 5.0, run
 
 

@@ -17,6 +17,7 @@ from launch_helpers import (
     ROOT,
     SCRIPTS,
     events,
+    freeze,
     launcher_cmd,
     named,
     run_launcher,
@@ -142,7 +143,7 @@ def test_signal_stops_every_worker_within_grace(run_dir, signum, stop_one):
     try:
         pids = _worker_pids(run_dir)
         if stop_one:
-            os.kill(pids[1], signal.SIGSTOP)
+            freeze(pids[1])
         t0 = time.monotonic()
         proc.send_signal(signum)
         proc.communicate(timeout=30)

@@ -4,6 +4,7 @@ at ``start_cycle``, on a real Monitor fed frames through ``handle_frame`` (no pe
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -74,3 +75,40 @@ def test_the_cycle_callbacks_are_given_at_start_and_replaced_by_the_next_cycle(m
     _send(monitor, 1, protocol.FENCE, 15.0, req=2, stopped_s=4.0)
     assert len(closed) == 1 and len(device) == 1 and len(fences) == 1
     assert "handler_error" not in monitor.protocol_errors()
+
+
+def test_each_frame_of_a_drain_is_read_at_its_own_time(monitor, tmp_path):
+    """A heartbeat that arrives while a drain runs is handled at the time it is read, not at
+    a time read before it arrived: capped there, its deadline would begin early (a verdict
+    before the full timeout, seen once in the bench)."""
+    import zmq  # noqa: PLC0415
+
+    monitor.start_cycle(0, [RankSlot(0, 0, pid=os.getpid(), token="tok0")], {0: 10.0},
+                        tmp_path)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    reads = []
+
+    def clock() -> float:
+        # The first read of the clock: the rank heartbeats (stamp 12.0) just after it.
+        if not reads:
+            sock.send(protocol.heartbeat_frame(12.0))
+            time.sleep(0.2)
+        reads.append(11.0 if not reads else 13.0)
+        return reads[-1]
+
+    try:
+        sock.connect(f"ipc://{tmp_path}/m.sock")
+        sock.send(protocol.encode(protocol.HELLO, token="tok0", rank=0, local_rank=0,
+                                  pid=os.getpid(), host="h", cycle=0))
+        read = 0
+        for _ in range(2000):
+            read += monitor.drain(clock)[0]
+            if read == 2:
+                break
+            time.sleep(0.005)
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+    assert read == 2 and monitor.all_connected()
+    assert monitor.last_activity() == {0: pytest.approx(12.0)}

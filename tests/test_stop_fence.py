@@ -154,7 +154,7 @@ def test_the_client_asks_its_monitor_and_gets_its_answer(tmp_path, monkeypatch):
 
     def pump() -> None:  # the launcher's loop, reduced to draining its socket
         while not done.is_set():
-            monitor.drain(time.monotonic())
+            monitor.drain(time.monotonic)
             time.sleep(0.005)
 
     for key, value in {"FT_ENDPOINT": endpoint, "FT_TOKEN": "tok", "RANK": "0",

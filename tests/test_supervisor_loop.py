@@ -134,7 +134,7 @@ class FakeMonitor:
         self.slots = slots
         self.callbacks = callbacks
 
-    def drain(self, now: float, budget: int = 0) -> tuple[int, bool]:
+    def drain(self, clock: Callable[[], float], budget: int = 0) -> tuple[int, bool]:
         if self.group is not None and self.group.stopped and self.controls_after_stop:
             self.controls += self.controls_after_stop
             self.controls_after_stop = []

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -100,7 +101,8 @@ class Activity:
     def last_activity(self) -> dict[int, float]:
         return dict(self.last)
 
-    def drain(self, now: float) -> None:
+    def drain(self, clock: Callable[[], float]) -> None:
+        now = clock()
         for rank, interval in self.busy.items():
             if interval is not None:
                 beats = int((now - T0) / interval)

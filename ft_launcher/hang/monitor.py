@@ -267,8 +267,8 @@ class Monitor(MonitorView):
 
     # -- what the supervisor asks ------------------------------------------------------
 
-    def drain(self, now: float, budget: int = DRAIN_BUDGET) -> tuple[int, bool]:
-        """Read queued frames without blocking: (frames read, whether the queue is empty)."""
+    def drain(self, clock: Callable[[], float], budget: int = DRAIN_BUDGET) -> tuple[int, bool]:
+        """Read queued frames, each at ``clock()`` as it is read: (frames read, queue empty)."""
         for handled in range(budget):
             try:
                 frames = self.socket.recv_multipart(zmq.NOBLOCK)
@@ -280,7 +280,7 @@ class Monitor(MonitorView):
             if len(frames) != 2:
                 self._count("malformed", f"{len(frames)} frames")
                 continue
-            self.handle_frame(frames[0], frames[1], now)
+            self.handle_frame(frames[0], frames[1], clock())
         return budget, False
 
     def handle_frame(self, identity: bytes, frame: bytes, now: float) -> None:

@@ -44,8 +44,8 @@ METRICS = [
     Metric("hang", "detect_s", "SIGSTOP → hang verdict", "s"),
     Metric("verdict", "excess_ms", "hang verdict − (last send_heartbeat() call + 2 s timeout),"
            " SIGSTOP right after the call", "ms", ratio=False, digits=1),
-    Metric("verdict", "stop_after_return_ms", "of which the call's return → SIGSTOP", "ms",
-           ratio=False, digits=2),
+    Metric("verdict", "stop_after_return_ms", "the call's return → SIGSTOP (the driver's delay)",
+           "ms", ratio=False, digits=2),
     Metric("crash", "recovery_s", "SIGKILL → first step of every rank, next cycle", "s"),
     Metric("crash", "respawn_s", "of which SIGKILL → every new worker running", "s"),
     Metric("startup", "startup_s", "launcher start → first step of every rank", "s"),
