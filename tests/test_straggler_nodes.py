@@ -15,11 +15,12 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
 import pytest
-from launch_helpers import ROOT, SCRIPTS, events, named, wait_for
+from launch_helpers import ROOT, SCRIPTS, events, named
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -67,8 +68,11 @@ def test_a_slow_rank_on_node_b_is_named_by_its_launcher_against_node_a(tmp_path:
                  "350000", "--seconds", "120"],
                 cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
             log.close()  # started together: both make the first round's last call
-        found = wait_for(lambda: named(events(runs["b"]), "straggler_detected"), 120,
-                         "node b to report its rank")
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and all(p.poll() is None for p in procs.values()):
+            if named(events(runs["b"]), "straggler_detected"):
+                break
+            time.sleep(0.2)
         out.mkdir(parents=True, exist_ok=True)
         (out / "stop").touch()
         for name in "ab":
@@ -78,6 +82,9 @@ def test_a_slow_rank_on_node_b_is_named_by_its_launcher_against_node_a(tmp_path:
             stop(proc)
         logs = {n: (tmp_path / f"{n}.log").read_text()[-2000:] for n in "ab"
                 if (tmp_path / f"{n}.log").exists()}
+    found = named(events(runs["b"]), "straggler_detected")
+    assert found, ("node b never reported its rank", logs, [e for e in events(runs["b"])
+                   if e["event"] not in ("rank_connected", "interval_stats")])
     first = found[0]
     assert (first["rank"], first["section"], first["window"]) == (1, "compute", 10), logs
     assert first["score"] > 2.0 and first["reference_s"] > 0
