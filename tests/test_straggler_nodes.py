@@ -3,9 +3,13 @@ loopback; node b's rank is slowed (``rank_slow``), and node b's own launcher nam
 comparing with node a's rank, whose medians it reads from the rendezvous store
 (ft_launcher/stragglers/straggler_exchange.py). Slow tier: two launchers and their gloo ranks.
 
-Like the single-node end-to-end cases (test_straggler_e2e.py), the victim is slowed 3x and
-reported above 2.0: on 2 shared cores scheduling alone makes one rank up to ~1.7x the other
-for a few seconds. This proves the wiring; the rules are unit-tested.
+The victim is reported above 2.0, as in the single-node cases (test_straggler_e2e.py): on 2
+shared cores scheduling alone makes one rank up to ~1.7x the other for a few seconds. It is
+slowed 5x, not 3x as there: a rank alone on its node is compared with the other node's
+median, seconds old, and must stay above it for ~10 s. With 8 busy ranks beside it, a 3x
+rank dipped below 2x often enough to be named only once they finished (51 s after its
+onset; 10 s on an idle machine); 5x was named after 10-17 s. This proves the wiring; the
+rules are unit-tested.
 """
 
 from __future__ import annotations
@@ -57,7 +61,7 @@ def test_a_slow_rank_on_node_b_is_named_by_its_launcher_against_node_a(tmp_path:
               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"straggler-{port}",
               "--workers-stop-timeout", "5", "--ft-rank-heartbeat-timeout", "60",
               "--ft-straggler-threshold", "2.0", "--ft-straggler-window", "10",
-              "--ft-simulated-fault", "rank_slow:factor=3,rank=1,base_delay=4"]
+              "--ft-simulated-fault", "rank_slow:factor=5,rank=1,base_delay=4"]
     procs: dict[str, subprocess.Popen] = {}
     try:
         for name, host in (("a", "true"), ("b", "false")):
