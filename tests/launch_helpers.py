@@ -72,19 +72,15 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
     pytest.fail(f"timed out after {timeout} s waiting for {what}")
 
 
+STOPPED = (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)  # /proc state T and t
+
+
 def _stopped(pid: int) -> bool:
     try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except FileNotFoundError:
+        threads = psutil.Process(pid).threads()
+        return all(psutil.Process(t.id).status() in STOPPED for t in threads)
+    except psutil.NoSuchProcess:  # the process, or a thread of it, has just exited
         return False
-    states = []
-    for tid in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
-                states.append(f.read().rsplit(b")", 1)[1].split()[0])
-        except (FileNotFoundError, IndexError):
-            continue  # a thread that has just exited
-    return bool(states) and all(state in (b"T", b"t") for state in states)
 
 
 def freeze(pid: int, timeout: float = 10.0) -> None:

@@ -20,6 +20,7 @@ from types import SimpleNamespace
 
 import psutil
 import pytest
+from launch_helpers import freeze
 
 from ft_launcher import cycle
 from ft_launcher.process.guardian import Guardian
@@ -194,11 +195,7 @@ def test_a_sigstopped_real_worker_is_torn_down_under_a_second(tmp_path):
     group.start([spec])
     try:
         worker = group.workers[0]
-        worker.proc.send_signal(signal.SIGSTOP)
-        deadline = time.monotonic() + 10
-        while psutil.Process(worker.pid).status() != psutil.STATUS_STOPPED:
-            assert time.monotonic() < deadline, "the worker did not stop"
-            time.sleep(0.01)
+        freeze(worker.pid)
         t0 = time.monotonic()
         group.stop(grace=30.0)
         took = time.monotonic() - t0
