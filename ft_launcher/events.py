@@ -99,7 +99,9 @@ EVENTS: dict[str, EventDoc] = {
     "fault_not_fired": EventDoc(
         "faults", "a cycle ended (and with it, for the last one, the job) with its armed "
         "simulated fault never fired",
-        "fault_type, rank, delay, counted_from, cycle_s (from the spawn to the cycle's end)"),
+        "fault_type, rank, delay, counted_from (spawn, training or connection), waited_s "
+        "(how long that clock ran before the cycle ended; null when it never started), "
+        "cycle_s (from the spawn to the cycle's end)"),
     "hang_detected": EventDoc(
         "faults", "a rank was judged hung",
         "rank, timeout_kind, timeout_s, silence_s, expired_rank, expired_silence_s, "

@@ -12,15 +12,12 @@ a rank that times none is stopped from outside for F-1 times each slice of its w
 
 from __future__ import annotations
 
-import ast
 import logging
 import math
 import signal
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ft_agent import simulated_fault
@@ -50,15 +47,9 @@ class FaultPlan:
     code: int = 1
     factor: float | None = None  # rank_slow: run at 1/factor of the speed
     duration: float | None = None  # rank_slow: seconds; None: until the cycle ends
-    imports_agent: bool = False  # the training script's source imports ft_agent
 
     def fires_in(self, cycle: int) -> bool:
         return self.cycles is None or cycle in self.cycles
-
-
-# A script whose source imports ft_agent but that has not said hello this long after its
-# spawn is taken to not talk to the launcher after all (see ArmedFault.start_clock).
-NO_HELLO_AFTER_S = 30.0
 
 
 @dataclass
@@ -73,7 +64,7 @@ class ArmedFault:
     factor: float | None = None  # rank_slow
     duration: float | None = None  # rank_slow
     at: float | None = None  # wall clock, once the delay's start is known
-    imports_agent: bool = False  # the training script's source imports ft_agent
+    clock_at: float | None = None  # wall clock the delay counts from, once known
     agent: bool = False  # a rank of the cycle said hello (sticky)
 
     @property
@@ -93,37 +84,25 @@ class ArmedFault:
                     now: float) -> None:
         """Fix ``at`` (wall clock) from what is known now.
 
-        Once a rank said hello the delay counts from the moment every rank is training
-        (its first heartbeat, section or progress report): a script that uses ft_agent is
-        not hit during its process-group setup. Before that:
-
-        - a script whose source imports ft_agent is waited for (its imports, torch's
-          among them, may take many seconds before its hello); one that has not said hello
-          ``NO_HELLO_AFTER_S`` after the spawn is hit then, or ``delay`` after the spawn
-          when that is later;
-        - any other script counts from the spawn, imports included: it gets its fault
-          ``delay`` after it started, unless a hello comes first and re-bases the clock.
+        The delay counts from the spawn, imports included, so a script that never talks to
+        ft_agent in this run (one that imports it only behind a flag, say) gets its fault
+        ``delay`` after it started. A hello before the fault fired re-bases the clock: from
+        then on it counts from the moment every rank is training (its first heartbeat,
+        section or progress report), so a script that uses ft_agent is not hit during its
+        process-group setup. Nothing is read from the script's source: what it imports
+        behind a flag or through another module cannot be known before it runs.
         """
         if connected and not self.agent:
-            self.agent, self.at = True, None
-        if self.agent:
-            if self.at is None and training_at is not None:
-                self.at = training_at + self.delay
-        elif not self.imports_agent:
-            self.at = spawned_at + self.delay
-        elif now >= self.no_hello_due(spawned_at):
-            self.at = self.no_hello_due(spawned_at)
+            self.agent, self.at, self.clock_at = True, None, None
+        if not self.agent:
+            self.clock_at, self.at = spawned_at, spawned_at + self.delay
+        elif self.at is None and training_at is not None:
+            self.clock_at, self.at = training_at, training_at + self.delay
 
-    def no_hello_due(self, spawned_at: float) -> float:
-        """When the fault fires for a script importing ft_agent that never says hello."""
-        return spawned_at + max(self.delay, NO_HELLO_AFTER_S)
-
-    def due(self, spawned_at: float) -> float | None:
+    def due(self) -> float | None:
         """When the watch loop must look next for this fault (wall clock), if known."""
         if self.fired or not self.by_launcher:
             return None
-        if self.at is None and self.imports_agent and not self.agent:
-            return self.no_hello_due(spawned_at)
         return self.at
 
     @property
@@ -239,7 +218,7 @@ def arm(plan: FaultPlan, cycle: int, world_size: int, run_id: str) -> ArmedFault
                                  plan.rand_delay, plan.rank)
     fault_type, rank, delay = fault.fault_type, fault.rank, fault.delay
     return ArmedFault(fault_type, rank, delay, plan.code, factor=plan.factor,
-                      duration=plan.duration, imports_agent=plan.imports_agent)
+                      duration=plan.duration)
 
 
 @dataclass
@@ -288,64 +267,22 @@ def inject(group: WorkerGroup, armed: ArmedFault, cycle: int, events: Callable[.
     return Injected(throttle, record)
 
 
-def plan_for(text: str | None, world_size: int,
-             entrypoint: Sequence[str] = ()) -> FaultPlan | None:
+def plan_for(text: str | None, world_size: int) -> FaultPlan | None:
     """The job's ``--ft-simulated-fault``, parsed and checked against the largest world;
-    None when no fault is asked for. ``entrypoint`` (the workers' argv prefix) tells
-    whether the script imports ft_agent."""
+    None when no fault is asked for."""
     if not text:
         return None
     plan = parse_fault(text)
     validate_world(plan, world_size)
-    plan.imports_agent = entry_imports_agent(entrypoint)
     return plan
-
-
-# The training script is read for its imports only up to this size.
-MAX_SCRIPT_BYTES = 4 * 1024 * 1024
-
-
-def source_imports_agent(source: str) -> bool:
-    """Whether Python source has an ``import ft_agent...``/``from ft_agent... import``
-    statement, at any depth (a function or an ``if`` too)."""
-    try:
-        tree = ast.parse(source)
-    except (SyntaxError, ValueError):
-        return False
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
-            names = [node.module]
-        else:
-            continue
-        if any(name.split(".")[0] == "ft_agent" for name in names):
-            return True
-    return False
-
-
-def entry_imports_agent(entrypoint: Sequence[str]) -> bool:
-    """Whether the workers' script imports ft_agent: ``[python, flags..., script]``, or
-    ``[python, flags..., -m, module]`` for a module found under the working directory. A
-    program run with --no-python, or a module found elsewhere, reads as not importing it."""
-    if len(entrypoint) < 2 or entrypoint[0] != sys.executable:
-        return False
-    target = Path(entrypoint[-1])
-    if len(entrypoint) >= 3 and entrypoint[-2] == "-m":
-        base = Path.cwd().joinpath(*entrypoint[-1].split("."))
-        target = next((c for c in (base.with_suffix(".py"), base / "__main__.py")
-                       if c.is_file()), base)
-    try:
-        with target.open("rb") as f:
-            source = f.read(MAX_SCRIPT_BYTES)
-    except OSError:
-        return False
-    return source_imports_agent(source.decode("utf-8", errors="replace"))
 
 
 def not_fired(armed: ArmedFault | None, workers: Sequence[Worker],
               now: float) -> dict[str, Any] | None:
-    """The facts of a cycle's armed fault that never fired (its cycle is over), or None.
+    """The facts of a cycle's armed fault that never fired (its cycle is over), or None:
+    the clock its delay counted from and how long that clock ran (``waited_s``; None when
+    it never started: a rank said hello but the ranks never all trained, or a
+    ``rank_exit``, whose clock runs in the rank).
 
     A ``rank_exit`` is carried out by ft_agent in the rank: its victim's exit with the
     planned code is the fault firing (the agent reports it too, as ``fault_injected``)."""
@@ -355,9 +292,35 @@ def not_fired(armed: ArmedFault | None, workers: Sequence[Worker],
                                      for w in workers):
         return None
     spawned_at = max(w.started_at for w in workers)
+    clock_at = spawned_at if armed.counted_from == "spawn" else armed.clock_at
+    waited = None if clock_at is None or not armed.by_launcher \
+        else round(max(0.0, now - clock_at), 3)
     return {"fault_type": armed.fault_type, "rank": armed.rank, "delay": armed.delay,
-            "counted_from": armed.counted_from,
+            "counted_from": armed.counted_from, "waited_s": waited,
             "cycle_s": round(max(0.0, now - spawned_at), 3)}
+
+
+def not_fired_text(facts: dict[str, Any]) -> str:
+    """What a ``fault_not_fired`` record says, in words (the log line, ft_report); a record
+    of an older launcher, without ``waited_s``, reads too."""
+    def seconds(key: str) -> str:
+        value = facts.get(key)
+        return f"{value:g} s" if isinstance(value, int | float) else "? s"
+
+    clock = facts.get("counted_from")
+    if clock == "connection":
+        waited = "counted in the rank from its connection (carried out by ft_agent: a " \
+                 "script without it cannot fire it)"
+    elif "waited_s" not in facts:
+        waited = "no record of how long it waited"
+    elif facts["waited_s"] is None:
+        waited = f"its clock ({clock}) never started: a rank said hello but the ranks " \
+                 "never all started training"
+    else:
+        waited = f"it waited {seconds('waited_s')} on that clock"
+    return (f"simulated {facts.get('fault_type')} for rank {facts.get('rank')} never fired: "
+            f"due {seconds('delay')} after {clock}, {waited}; the cycle ended "
+            f"{seconds('cycle_s')} after the spawn")
 
 
 def report_not_fired(armed: ArmedFault | None, workers: Sequence[Worker], now: float,
@@ -368,9 +331,4 @@ def report_not_fired(armed: ArmedFault | None, workers: Sequence[Worker], now: f
     if facts is None:
         return
     events("fault_not_fired", **facts)
-    why = " (carried out by ft_agent in the rank: a script without it cannot fire it)" \
-        if facts["counted_from"] == "connection" else ""
-    log.warning("cycle %d: simulated fault %s for rank %d never fired: it waited for %g s "
-                "from %s and the cycle ended %.1f s after the spawn%s", cycle,
-                facts["fault_type"], facts["rank"], facts["delay"], facts["counted_from"],
-                facts["cycle_s"], why)
+    log.warning("cycle %d: %s", cycle, not_fired_text(facts))

@@ -65,7 +65,7 @@ class Supervisor:
         self.journal = Journal(self.rundir, cfg.ft)
         self.record = JobRecord()
         self.fault_plan = faults.plan_for(cfg.ft.simulated_fault,
-                                          cfg.max_nodes * cfg.nproc_per_node, cfg.entrypoint)
+                                          cfg.max_nodes * cfg.nproc_per_node)
         self.signals = parts.signals or SignalBox(cfg.signals_to_handle)
         self.rdzv = parts.rdzv or make_rendezvous(cfg, self.event)
         self.socket_path: Path | None = None

@@ -132,9 +132,8 @@ def test_arm_is_the_same_on_every_node_and_seeded():
     assert faults.arm(faults.parse_fault("rank_hung"), 1, 8, "x") is None  # first cycle only
 
 
-def _armed(delay: float = 4, imports_agent: bool = False) -> faults.ArmedFault:
+def _armed(delay: float = 4) -> faults.ArmedFault:
     plan = faults.parse_fault(f"rank_killed:base_delay={delay:g},rank=0")
-    plan.imports_agent = imports_agent
     armed = faults.arm(plan, 0, 2, "r")
     assert armed is not None
     return armed
@@ -144,14 +143,14 @@ def test_a_plain_script_counts_from_spawn_until_a_rank_says_hello_then_from_trai
     spawn = 1000.0
     quiet = _armed()  # a script that never talks to ft_agent: from the spawn, imports included
     quiet.start_clock(spawn, None, connected=False, now=spawn + 0.1)
-    assert (quiet.at, quiet.counted_from, quiet.due(spawn)) == (spawn + 4, "spawn", spawn + 4)
+    assert (quiet.at, quiet.counted_from, quiet.due()) == (spawn + 4, "spawn", spawn + 4)
     quiet.start_clock(spawn, None, connected=False, now=spawn + 3)
     assert quiet.at == spawn + 4, "the same deadline on every pass"
     a = _armed()
     a.start_clock(spawn, None, connected=False, now=spawn + 1)  # still importing
     assert a.at == spawn + 4
     a.start_clock(spawn, None, connected=True, now=spawn + 2)  # hello: re-based on training
-    assert (a.at, a.agent, a.counted_from, a.due(spawn)) == (None, True, "training", None)
+    assert (a.at, a.agent, a.counted_from, a.due()) == (None, True, "training", None)
     a.start_clock(spawn, None, connected=True, now=spawn + 20)  # process-group setup
     assert a.at is None, "a connected rank that is not training yet holds the clock"
     a.start_clock(spawn, spawn + 21, connected=True, now=spawn + 21)
@@ -168,52 +167,21 @@ def test_a_plain_script_counts_from_spawn_until_a_rank_says_hello_then_from_trai
     assert zero.at == spawn
     fired = _armed()
     fired.fired = True
-    assert fired.due(spawn) is None
+    assert fired.due() is None
 
 
-def test_a_script_importing_ft_agent_keeps_the_count_from_training():
+def test_a_script_that_never_says_hello_is_hit_from_its_spawn_whatever_it_imports():
     spawn = 1000.0
-    a = _armed(imports_agent=True)  # its torch import outlasts base_delay: still waited for
-    a.start_clock(spawn, None, connected=False, now=spawn + 8)
-    assert (a.at, a.due(spawn)) == (None, spawn + faults.NO_HELLO_AFTER_S)
-    a.start_clock(spawn, None, connected=True, now=spawn + 9)
-    a.start_clock(spawn, spawn + 12, connected=True, now=spawn + 12)
-    assert (a.at, a.counted_from) == (spawn + 16, "training")
-    mute = _armed(imports_agent=True)  # imports ft_agent but never says hello
-    mute.start_clock(spawn, None, connected=False, now=spawn + faults.NO_HELLO_AFTER_S - 1)
-    assert mute.at is None
-    mute.start_clock(spawn, None, connected=False, now=spawn + faults.NO_HELLO_AFTER_S)
-    assert (mute.at, mute.counted_from) == (spawn + faults.NO_HELLO_AFTER_S, "spawn")
-    long = _armed(45, imports_agent=True)
-    long.start_clock(spawn, None, connected=False, now=spawn + 46)
-    assert long.at == spawn + 45
-
-
-def test_whether_the_script_imports_ft_agent_is_read_from_its_source(tmp_path, monkeypatch):
-    yes = ["import ft_agent", "from ft_agent import RankMonitorClient",
-           "import os, ft_agent.client as c", "from ft_agent.lightning import X",
-           "def main():\n    if True:\n        from ft_agent import RankMonitorClient\n"]
-    no = ["import os", "import ft_agentx", "from . import ft_agent", "s = 'import ft_agent'",
-          "# import ft_agent", "from mypkg.ft_agent import x", "def (:", "\0"]
-    assert all(faults.source_imports_agent(src) for src in yes)
-    assert not any(faults.source_imports_agent(src) for src in no)
-    script = tmp_path / "train.py"
-    script.write_text("import time\nfrom ft_agent import RankMonitorClient\n")
-    plain = tmp_path / "plain.py"
-    plain.write_text("import time\n")
-    py = sys.executable
-    assert faults.entry_imports_agent([py, "-u", str(script)])
-    assert not faults.entry_imports_agent([py, "-u", str(plain)])
-    assert not faults.entry_imports_agent([py, "-u", str(tmp_path / "gone.py")])
-    assert not faults.entry_imports_agent([str(script)]), "--no-python: a program"
-    (tmp_path / "pkg").mkdir()
-    (tmp_path / "pkg" / "train.py").write_text(script.read_text())
-    monkeypatch.chdir(tmp_path)
-    assert faults.entry_imports_agent([py, "-u", "-m", "pkg.train"])
-    assert not faults.entry_imports_agent([py, "-u", "-m", "plain_elsewhere"])
-    plan = faults.plan_for("rank_killed:rank=0", 2, [py, "-u", str(script)])
-    assert plan is not None and plan.imports_agent
-    assert faults.arm(plan, 0, 2, "r").imports_agent
+    mute = _armed()  # e.g. imports ft_agent behind a flag that this run does not set
+    for now in (spawn, spawn + 3.9, spawn + 60):
+        mute.start_clock(spawn, None, connected=False, now=now)
+        assert (mute.at, mute.clock_at, mute.counted_from) == (spawn + 4, spawn, "spawn")
+    slow = _armed()  # its imports outlast base_delay: the hello comes too late to re-base
+    slow.start_clock(spawn, None, connected=False, now=spawn + 4.5)
+    assert slow.due() == spawn + 4
+    slow.fired = True
+    slow.start_clock(spawn, None, connected=True, now=spawn + 5)
+    assert slow.due() is None
 
 
 @dataclass
@@ -229,7 +197,16 @@ def test_a_fault_that_never_fired_is_named_with_its_wait_and_the_cycle_length():
     armed.start_clock(1000.5, None, connected=False, now=1000.5)
     assert faults.not_fired(armed, workers, 1003.0) == {
         "fault_type": "rank_killed", "rank": 0, "delay": 60.0, "counted_from": "spawn",
-        "cycle_s": 2.5}
+        "waited_s": 2.5, "cycle_s": 2.5}
+    said_hello = _armed(60)  # a hello re-based the clock on training, which started at 1001
+    said_hello.start_clock(1000.5, None, connected=True, now=1000.6)
+    said_hello.start_clock(1000.5, 1001.0, connected=True, now=1001.0)
+    assert faults.not_fired(said_hello, workers, 1003.0) == {
+        "fault_type": "rank_killed", "rank": 0, "delay": 60.0, "counted_from": "training",
+        "waited_s": 2.0, "cycle_s": 2.5}
+    never_trained = _armed(60)  # a hello, but the ranks never all started training
+    never_trained.start_clock(1000.5, None, connected=True, now=1000.6)
+    assert faults.not_fired(never_trained, workers, 1003.0)["waited_s"] is None
     armed.fired = True
     assert faults.not_fired(armed, workers, 1003.0) is None
     assert faults.not_fired(None, workers, 1003.0) is None
@@ -249,9 +226,9 @@ def test_a_fault_that_never_fired_is_one_event_and_one_warning(caplog):
                                 lambda name, **f: said.append((name, f)))
     assert [name for name, _ in said] == ["fault_not_fired"]
     assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
-        (logging.WARNING, "cycle 3: simulated fault rank_killed for rank 0 never fired: it "
-                          "waited for 60 s from spawn and the cycle ended 2.0 s after the "
-                          "spawn")]
+        (logging.WARNING, "cycle 3: simulated rank_killed for rank 0 never fired: due 60 s "
+                          "after spawn, it waited 2 s on that clock; the cycle ended 2 s "
+                          "after the spawn")]
 
 
 def test_cli_rejects_a_bad_fault_in_one_line(tmp_path: Path):
@@ -446,9 +423,11 @@ def test_a_job_that_ends_before_its_fault_fired_says_so(run_dir: Path):
     assert 2.0 <= missed["cycle_s"] < 60.0
     warnings = [line for line in proc.stdout.splitlines() if "never fired" in line]
     assert len(warnings) == 1, proc.stdout[-3000:]  # a warning: see the test above
-    assert "rank_killed for rank 0" in warnings[0] and "60 s from spawn" in warnings[0]
+    assert "rank_killed for rank 0" in warnings[0] and "due 60 s after spawn" in warnings[0]
+    waited = missed["waited_s"]
+    assert 2.0 <= waited <= missed["cycle_s"] and f"it waited {waited:g} s" in warnings[0]
     assert summary(run_dir)["exit_code"] == 0
     report = subprocess.run([str(Path(sys.executable).parent / "ft_report"), str(run_dir)],
                             capture_output=True, text=True, cwd=ROOT, timeout=60, check=True)
     line = next(x for x in report.stdout.splitlines() if x.strip().startswith("cycle 0:"))
-    assert "simulated rank_killed rank 0 NOT FIRED (waited for 60.000 s from spawn" in line
+    assert "simulated rank_killed for rank 0 NOT FIRED: due 60 s after spawn" in line

@@ -15,6 +15,7 @@ from typing import Any
 
 import click
 
+from ft_launcher import faults
 from ft_launcher.extras import MissingExtra
 from ft_launcher.hang.timeouts import SECTION_PREFIX, SECTIONS_KEY, TIMEOUT_KEYS
 from ft_launcher.observe.ledger import ledger_of, split_attempts
@@ -102,9 +103,7 @@ def cycle_rows(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def not_fired_line(e: dict[str, Any]) -> str:
     """A simulated fault that never fired, as ft_report's cycle line says it."""
-    return (f"simulated {e.get('fault_type')} rank {e.get('rank')} NOT FIRED (waited for "
-            f"{_fmt(e.get('delay'))} s from {e.get('counted_from')}; the cycle ended "
-            f"{_fmt(e.get('cycle_s'))} s after the spawn)")
+    return faults.not_fired_text(e).replace(" never fired", " NOT FIRED", 1)
 
 
 def build_report(run_dir: Path, events: list[dict[str, Any]] | None = None) -> dict[str, Any]:
