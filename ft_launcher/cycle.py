@@ -423,7 +423,7 @@ class Cycle:
 
     def wake_inputs(self, state: WatchState) -> WakeInputs:
         d, armed = self.d, self.armed
-        fault_due = None if armed is None else armed.due(state.spawned_at)
+        fault_due = None if armed is None else armed.due()
         polls = must_poll(d.rdzv.polls_peers, self.exchange is not None, d.signals.any_owed())
         now = d.clock.monotonic()
         return WakeInputs(now=now, wall=d.clock.time(), interval=d.cfg.monitor_interval,
