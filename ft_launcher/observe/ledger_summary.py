@@ -1,20 +1,19 @@
 """The goodput ledger's answers: a finished or running cycle cut into phases, and the sums
 over attempts (see ``ledger.py`` for the phases and what they mean).
 
-Pure functions of the marks a :class:`~ft_launcher.observe.ledger.Ledger` collected. Each cycle's
-figures are a typed :class:`CycleSummary`; ``to_dict`` gives the JSON-ready row that
-``summary.json``, ``ft_report``, the metrics and the timeline read (its keys and their
-order are part of the run directory's format).
+Pure functions of the marks (``ledger_marks``) a :class:`~ft_launcher.observe.ledger.Ledger`
+collected. Each cycle's figures are a typed :class:`CycleSummary`; ``to_dict`` gives the
+JSON-ready row that ``summary.json``, ``ft_report``, the metrics and the timeline read (its
+keys and their order are part of the run directory's format).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from ft_launcher.observe.ledger import _Attempt, _Cycle
+from ft_launcher.observe.ledger_marks import RawAttempt, RawCycle
 
 PHASES = ("rendezvous", "spawn", "productive", "work_lost", "detection", "teardown", "other")
 START_UP = "start-up and shutdown"
@@ -113,7 +112,7 @@ class _Cut:
         }
 
 
-def _training_end(c: _Cycle) -> float | None:
+def _training_end(c: RawCycle) -> float | None:
     """When the training's last step was reported, for a cycle that did not fail."""
     if c.last_progress:
         return max(at for at, _ in c.last_progress.values())
@@ -121,12 +120,12 @@ def _training_end(c: _Cycle) -> float | None:
     return min(marks) if marks else None
 
 
-def _last_checkpoint(c: _Cycle, before: float) -> tuple[float, int] | None:
+def _last_checkpoint(c: RawCycle, before: float) -> tuple[float, int] | None:
     saved = [(ts, it) for ts, it in c.checkpoints if ts <= before]
     return max(saved) if saved else None
 
 
-def _snapshot_kept(c: _Cycle, nxt: _Cycle | None) -> tuple[float, int] | None:
+def _snapshot_kept(c: RawCycle, nxt: RawCycle | None) -> tuple[float, int] | None:
     """(when, step) of the snapshot the next cycle restored, placed in this cycle's time."""
     if nxt is None or nxt.restored is None:
         return None
@@ -134,7 +133,7 @@ def _snapshot_kept(c: _Cycle, nxt: _Cycle | None) -> tuple[float, int] | None:
     return None if ts is None else (ts, nxt.restored)
 
 
-def _fault(c: _Cycle, detected: float | None) -> tuple[float | None, int | None, str | None]:
+def _fault(c: RawCycle, detected: float | None) -> tuple[float | None, int | None, str | None]:
     """(time, rank, how it is known) of the cycle's fault; all None without one."""
     if detected is not None:
         return c.fault_mark(detected)
@@ -143,7 +142,7 @@ def _fault(c: _Cycle, detected: float | None) -> tuple[float | None, int | None,
     return None, None, None
 
 
-def _cut(c: _Cycle, end: float, detected: float | None, fault_ts: float | None,
+def _cut(c: RawCycle, end: float, detected: float | None, fault_ts: float | None,
          train_ts: float | None, known: Knowledge,
          snapshot: tuple[float, int] | None = None) -> _Cut:
     """Consecutive boundaries, each clipped to [previous boundary, end of cycle]."""
@@ -190,7 +189,7 @@ def _steps_lost(failed: bool, first_it: int | None, last_it: int | None,
     return None
 
 
-def _no_progress(c: _Cycle, failed: bool, train_ts: float | None, last_it: int | None,
+def _no_progress(c: RawCycle, failed: bool, train_ts: float | None, last_it: int | None,
                  ckpt: tuple[float, int] | None, known: Knowledge) -> bool | None:
     if failed and train_ts is None and (known.uses_progress or known.sees_training):
         return True  # the fault came before every rank was training
@@ -201,7 +200,7 @@ def _no_progress(c: _Cycle, failed: bool, train_ts: float | None, last_it: int |
     return None
 
 
-def summarize_cycle(c: _Cycle, nxt: _Cycle | None, attempt_end: float, first: bool,
+def summarize_cycle(c: RawCycle, nxt: RawCycle | None, attempt_end: float, first: bool,
                     known: Knowledge) -> CycleSummary:
     """The figures of cycle ``c``; ``nxt`` is the attempt's next cycle, if any."""
     end = max(c.end if c.end is not None else (nxt.start if nxt else attempt_end), c.start)
@@ -247,7 +246,7 @@ def summarize_cycle(c: _Cycle, nxt: _Cycle | None, attempt_end: float, first: bo
     )
 
 
-def _spare_wait(c: _Cycle, run_up_end: float) -> float | None:
+def _spare_wait(c: RawCycle, run_up_end: float) -> float | None:
     """Seconds of the cycle's run-up (rendezvous and spawn) this node waited as a spare:
     until it was admitted, or to the run-up's end; None if it never waited."""
     if c.spare_since is None:
@@ -286,7 +285,7 @@ def _rounded(figures: dict[str, float]) -> dict[str, float]:
     return {k: round(v, 3) for k, v in figures.items()}
 
 
-def summarize_attempt(att: _Attempt, now: float | None, known: Knowledge) -> dict[str, Any]:
+def summarize_attempt(att: RawAttempt, now: float | None, known: Knowledge) -> dict[str, Any]:
     """One attempt's figures and its cycles' rows, JSON-ready."""
     end = att.end if att.end is not None else max(now or att.last_ts, att.last_ts)
     order = sorted(att.cycles)
@@ -320,7 +319,7 @@ def summarize_attempt(att: _Attempt, now: float | None, known: Knowledge) -> dic
     }
 
 
-def summarize_run(attempts: list[_Attempt], now: float | None,
+def summarize_run(attempts: list[RawAttempt], now: float | None,
                   known: Knowledge) -> dict[str, Any]:
     """The whole run: every attempt's summary and their sums, JSON-ready."""
     rows = [summarize_attempt(a, now, known) for a in attempts]
