@@ -1,44 +1,39 @@
 """One cycle on this node: start the workers of a round, watch them, stop them.
 
 A ``Cycle`` owns everything that dies with the cycle: the worker group, the rank slots,
-the armed fault and its throttle, the straggler detector and exchange, the round. Its
-``run()`` returns a ``CycleResult`` for ``policy.decide``; what outlives the cycle (the
-job's records of faults, worker exits and diagnoses) goes to the ``JobRecord`` it is given.
+the armed fault and its throttle, the hang response, the ranks stuck at their exit, its
+standing among the other nodes (``peers.PeerWatch``), the round. Its ``run()`` returns a
+``CycleResult`` for ``policy.decide``; what outlives the cycle (the job's records of
+faults, worker exits and diagnoses) goes to the ``JobRecord`` it is given.
+
+What the cycle only calls (snapshots, stragglers, the warm standby pool, the status line,
+NCCL traces) are the job's services, reached through one seam (``services.seam``): the
+cycle calls ``CycleDeps.services`` at each hook and imports none of them.
 
 One pass of the watch loop reads, then judges in a fixed order: a launcher stall (this
 node may have been dropped), the queued messages, then signals -> controls -> exits ->
-hang -> stragglers -> peers. A rank's own request (exclude this node, shut down) thus
-explains its exit after it, and a signal from the scheduler explains the workers' deaths.
+hang -> the services' checks (stragglers) -> the services' ticks -> peers. A rank's own
+request (exclude this node, shut down) thus explains its exit after it, and a signal from
+the scheduler explains the workers' deaths.
 """
 
 from __future__ import annotations
 
-import logging
-import os
-import secrets
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ft_launcher import faults
-from ft_launcher.config import LaunchConfig
-from ft_launcher.hang import nccl_trace
 from ft_launcher.hang.exit_watch import ExitWatch
-from ft_launcher.hang.liveness import HangVerdict
 from ft_launcher.hang.monitor import RankSlot, monotonic_of, wall_of
 from ft_launcher.hang.response import HangResponse
-from ft_launcher.nodes.rendezvous import RendezvousLost, RoundInfo
+from ft_launcher.peers import PeerWatch
 from ft_launcher.policy import CycleResult, JobState, Outcome, WorkerExit
-from ft_launcher.process.worker_env import CycleEnv, visible_gpus, worker_env
-from ft_launcher.process.workers import Worker, WorkerGroup, WorkerSpec, handles_signal
-from ft_launcher.rundir import RunDir
-from ft_launcher.signals import SignalBox
-from ft_launcher.snapshots import reports as snapshot_reports
-from ft_launcher.snapshots.service import JobSnapshots, WorldRound, for_job
-from ft_launcher.stragglers import straggler_exchange
-from ft_launcher.stragglers.straggler import DETECTED, StragglerDetector
+from ft_launcher.process.workers import Worker, WorkerGroup, handles_signal
+from ft_launcher.rank_plan import cycle_env, plan_workers
+from ft_launcher.services.seam import CycleStart
 from ft_launcher.watch import (
     MESSAGE_BATCH_S,
     Clock,
@@ -51,13 +46,15 @@ from ft_launcher.watch import (
 )
 
 if TYPE_CHECKING:
-    from ft_launcher.ports import GroupPort, MonitorPort, RendezvousPort, StandbyPort
-
-log = logging.getLogger("ft_launcher")
+    from ft_launcher.config import LaunchConfig
+    from ft_launcher.hang.liveness import HangVerdict
+    from ft_launcher.nodes.rendezvous import RoundInfo
+    from ft_launcher.ports import GroupPort, MonitorPort, RendezvousPort
+    from ft_launcher.rundir import RunDir
+    from ft_launcher.services.seam import CycleService
+    from ft_launcher.signals import SignalBox
 
 SIGNAL_SETTLE_S = 0.2
-# A rank's first section times of a cycle are not scored for stragglers (warm-up noise).
-STRAGGLER_WARMUP_STEPS = 5
 # A rank still working this long after the stop signal ignores it, and is killed at once.
 IGNORE_GRACE_S = 0.5
 
@@ -74,112 +71,27 @@ class JobRecord:
 @dataclass
 class CycleDeps:
     """The job-lifetime collaborators a cycle uses (tests pass fakes for the monitor, the
-    rendezvous, the standby pool, the worker group, the clock and the wait)."""
+    rendezvous, the services, the worker group, the clock and the wait)."""
 
     cfg: LaunchConfig
     rundir: RunDir
     monitor: MonitorPort  # monitor.Monitor
     rdzv: RendezvousPort  # rendezvous.StaticRendezvous | C10dRendezvous
-    standbys: StandbyPort  # standby.StandbyPool
+    services: CycleService  # services.job.for_job: what the cycle only calls
     signals: SignalBox
     events: Callable[..., Any]
     job: JobState
     record: JobRecord
-    status: Callable[[], None]  # prints the status line when due
-    status_due: Callable[[], float | None]
+    fault_plan: faults.FaultPlan | None = None  # --ft-simulated-fault
     wait: Wait | None = None  # None: a poll on the monitor's socket and the signal fd
-    host: str = ""
     gpus: int = 0
     clock: Clock = field(default_factory=Clock)
     new_group: Callable[..., GroupPort] = WorkerGroup
     handles_signal: Callable[[int, int], bool] = handles_signal
-    snapshots: JobSnapshots | None = None  # None: from cfg (still None when they are off)
 
     def __post_init__(self) -> None:
         if self.wait is None:
             self.wait = socket_wait(self.monitor.socket, self.signals.wake_fd())
-        if self.snapshots is None:
-            self.snapshots = for_job(self.cfg, self.rundir, self.events)
-
-
-@dataclass
-class RankPlan:
-    """What the cycle starts for one local rank: its spec, and its monitor credentials."""
-
-    spec: WorkerSpec
-    token: str
-    stack_file: Path
-
-
-def plan_workers(d: CycleDeps, cycle: int, rnd: RoundInfo,
-                 armed: faults.ArmedFault | None) -> list[RankPlan]:
-    """Each local rank's spec and credentials for this round (nothing is started)."""
-    cfg = d.cfg
-    env_of_cycle = CycleEnv(
-        world_size=rnd.group_world_size * cfg.nproc_per_node,
-        nproc_per_node=cfg.nproc_per_node, group_rank=rnd.group_rank,
-        group_world_size=rnd.group_world_size, role=cfg.role, master_addr=rnd.master_addr,
-        master_port=rnd.master_port, restarts=d.job.restarts, max_restarts=cfg.max_restarts,
-        run_id=cfg.run_id, endpoint=d.monitor.endpoint, run_dir=str(d.rundir.path),
-        cycle=cycle, device_map=d.job.device_map(), virtual_local_rank=cfg.virtual_local_rank,
-        gpus=visible_gpus(os.environ, d.gpus) if d.gpus else (),
-    )
-    snapshots = snapshot_env(d, rnd)
-    plans = []
-    for local_rank in range(cfg.nproc_per_node):
-        rank = rnd.group_rank * cfg.nproc_per_node + local_rank
-        # A token per rank and cycle: a hello can only claim the rank it was given to.
-        token = secrets.token_hex(16)
-        stack_file = d.rundir.private / f"stack_c{cycle}_r{rank}.raw"
-        fault = armed.env_value() if armed is not None and armed.rank == rank \
-            and armed.fault_type in ("rank_exit", "rank_slow") else None
-        env = worker_env(
-            os.environ, env_of_cycle, local_rank, token=token, stack_file=str(stack_file),
-            error_file=str(d.rundir.cycle_log_dir(cycle) / f"rank_{rank}_error.json"),
-            simulated_fault=fault)
-        # NCCL's flight recorder, when the user turned it on: dumps land in ipc/.
-        traces = nccl_trace.worker_env(env, d.rundir.private)
-        if traces:
-            nccl_trace.trace_dir(d.rundir.private)
-            env.update(traces)
-        env.update(rendezvous_env(d.rdzv.stop_fence_s, rnd))
-        env.update(snapshots.get(rank, {}))
-        echo = cfg.redirects.get(local_rank, 0) == 0 or cfg.tee.get(local_rank, 0) != 0
-        if cfg.local_ranks_filter is not None and local_rank not in cfg.local_ranks_filter:
-            echo = False
-        spec = WorkerSpec(local_rank, rank, cfg.entrypoint + cfg.script_args, env,
-                          d.rundir.rank_log(cycle, rank), echo)
-        plans.append(RankPlan(spec, token, stack_file))
-    return plans
-
-
-def snapshot_env(d: CycleDeps, rnd: RoundInfo) -> dict[int, dict[str, str]]:
-    """Per rank of this node, where its snapshots live and which iteration it restores
-    (ft_launcher.snapshots); empty when snapshots are off."""
-    if d.snapshots is None:
-        return {}
-    d.monitor.report_handlers[snapshot_reports.WHAT] = d.snapshots.on_report
-    n = d.cfg.nproc_per_node
-    return d.snapshots.begin_cycle([rnd.group_rank * n + i for i in range(n)],
-                                   rnd.group_world_size, snapshot_world(d.rdzv, rnd))
-
-
-def snapshot_world(rdzv: Any, rnd: RoundInfo) -> WorldRound | None:
-    """How this node's snapshots agree with the other nodes' this round: through the
-    round's rendezvous store; None with one node or static addresses (no shared store)."""
-    store = getattr(rdzv, "round_store", None)
-    if rnd.group_world_size < 2 or store is None:
-        return None
-    return WorldRound(store, getattr(rdzv, "job_store", None), rnd.round, rnd.group_rank,
-                      rnd.group_world_size, getattr(rdzv, "local_addr", "127.0.0.1"))
-
-
-def rendezvous_env(fence_s: float | None, rnd: RoundInfo) -> dict[str, str]:
-    """Where a node can be dropped (dynamic rendezvous): the stop a rank asks about
-    before going on (FT_STOP_FENCE_S, see ft_agent.stop_fence) and its round."""
-    if fence_s is None:
-        return {}
-    return {"FT_STOP_FENCE_S": f"{fence_s:g}", "FT_RDZV_ROUND": str(rnd.round)}
 
 
 def arm_fault(plan: faults.FaultPlan | None, cycle: int, rnd: RoundInfo,
@@ -229,60 +141,6 @@ def progress_iteration(cfg: LaunchConfig, monitor: Any, job: JobState) -> int | 
     return max(saved) if saved else job.last_iteration
 
 
-class PeerWatch:
-    """This node's standing among the others (one cycle): a stall or a rank's stop fence
-    may show that they went on without it; a poll shows nodes waiting or lost."""
-
-    def __init__(self, d: CycleDeps, cycle: int, rnd: RoundInfo) -> None:
-        self.d, self.cycle, self.round_no = d, cycle, rnd.round
-        # Why a rank's stop fence found this node out of its round (reason, seconds).
-        self.fenced_out: tuple[str, float] | None = None
-
-    def out_after_stall(self, group: GroupPort, stalled_s: float) -> str | None:
-        """After the launcher did not run for ``stalled_s``: why this node is out of its
-        round (its workers are SIGKILLed at once, before they can write a checkpoint or a
-        progress file: a script without ft_agent has no stop fence), or None."""
-        standing = self.d.rdzv.standing(stalled_s)
-        if standing.current:
-            return None
-        group.kill_all()
-        return standing.reason
-
-    def answer_fence(self, rank: int, stopped_s: float) -> tuple[bool, str]:
-        """A rank was stopped ``stopped_s`` and asks whether its round is still current."""
-        standing = self.d.rdzv.standing(stopped_s)
-        self.d.events("stop_fence", rank=rank, stopped_s=round(stopped_s, 3),
-                      current=standing.current, reason=standing.reason)
-        if not standing.current and self.fenced_out is None:
-            self.fenced_out = (standing.reason, stopped_s)
-        return standing.current, standing.reason
-
-    def dropped(self, reason: str, frozen_s: float) -> CycleResult:
-        """The others went on without this node: its workers are stopped already; it
-        re-joins the rendezvous, as a hot spare when the round is full, or ends with the
-        job (``RendezvousClosed``)."""
-        self.d.rdzv.mark_dropped()
-        self.d.events("node_dropped", round=self.round_no, reason=reason,
-                      frozen_s=round(max(0.0, frozen_s), 3), next="rejoin")
-        return CycleResult(self.cycle, Outcome.PEER_CHANGED, reason=f"node dropped: {reason}")
-
-    def poll(self, group: GroupPort, since: float) -> CycleResult | None:
-        """Read the round's shared state: this node dropped, nodes waiting or lost."""
-        try:
-            view = self.d.rdzv.poll_round()
-        except RendezvousLost as exc:
-            return CycleResult(self.cycle, Outcome.RENDEZVOUS_LOST, reason=str(exc))
-        if view.dropped is not None:  # stopped inside this pass, or too slow to
-            group.kill_all()  # keep alive: stale workers stop before they write
-            return self.dropped(view.dropped, self.d.clock.monotonic() - since)
-        if view.waiting > 0 or view.lost:
-            # lost: a node of this round stopped keeping alive (dead or frozen); its
-            # ranks are gone from the collectives, so the round re-forms without it.
-            self.d.events("peers_waiting", waiting=view.waiting, lost=list(view.lost))
-            return CycleResult(self.cycle, Outcome.PEER_CHANGED)
-        return None
-
-
 class StuckExits:
     """Ranks that said goodbye after a peer exited cleanly but do not exit themselves
     (``exit_watch``): their stacks are dumped and the cycle succeeds (its teardown ends
@@ -308,21 +166,16 @@ class StuckExits:
 class Cycle:
     """One cycle of one round on this node; ``run()`` returns how it ended."""
 
-    def __init__(self, d: CycleDeps, number: int, rnd: RoundInfo,
-                 armed: faults.ArmedFault | None) -> None:
-        self.d, self.number, self.rnd, self.armed = d, number, rnd, armed
+    def __init__(self, d: CycleDeps, number: int, rnd: RoundInfo) -> None:
+        self.d, self.number, self.rnd = d, number, rnd
+        self.armed = arm_fault(d.fault_plan, number, rnd, d.cfg)
+        self.services = d.services
         self.group: GroupPort = d.new_group(events=d.events)
         self.slots: dict[int, RankSlot] = {}
-        self.peers = PeerWatch(d, number, rnd)
-        ft = d.cfg.ft
-        self.stragglers = StragglerDetector(ft.straggler_threshold, ft.straggler_window,
-                                            ft.straggler_section, host=d.host,
-                                            warmup_steps=STRAGGLER_WARMUP_STEPS)
-        # Other nodes' medians through the rendezvous store (several nodes only).
-        self.exchange: straggler_exchange.Exchange | None = None
+        self.peers = PeerWatch(d.rdzv, d.events, d.clock.monotonic, number, rnd)
         self.throttle: Any = None  # a rank_slow fault in progress
         self.hang = HangResponse(d.monitor, d.rundir.stacks, number,
-                                 ft.rank_termination_signal, d.events)
+                                 d.cfg.ft.rank_termination_signal, d.events)
         self.stuck = StuckExits(d, number, self.hang)
 
     def run(self) -> CycleResult:
@@ -336,16 +189,17 @@ class Cycle:
     # -- start and teardown ------------------------------------------------------------
 
     def start(self) -> None:
-        d, rnd = self.d, self.rnd
-        plans = plan_workers(d, self.number, rnd, self.armed)
-        # Warm restart keeps a TCPStore listening for the next single-node cycle, so no rank
-        # waits out the store client's retry back-off while rank 0's store comes up.
-        port = d.standbys.take_store() if rnd.group_world_size == 1 else None
-        if port is not None:
-            for plan in plans:
-                plan.spec.env.update(MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
-        self.group.start([p.spec for p in plans], warm=d.standbys.take)
-        d.standbys.cycle_started()
+        d, rnd, services = self.d, self.rnd, self.services
+        n = d.cfg.nproc_per_node
+        services.begin(CycleStart(self.number, rnd,
+                                  tuple(rnd.group_rank * n + i for i in range(n))))
+        feeds = services.feeds()
+        d.monitor.report_handlers.update(feeds.reports)
+        shared = cycle_env(d.cfg, d.rundir, d.job, d.monitor.endpoint, d.gpus, self.number,
+                           rnd)
+        plans = plan_workers(d.cfg, d.rundir, shared, self.armed, self.worker_env)
+        self.group.start([p.spec for p in plans], warm=services.take_worker)
+        services.started(self.group.workers)
         d.signals.carry_over()
         by_rank = {p.spec.rank: p for p in plans}
         self.slots = {w.rank: RankSlot(w.rank, w.local_rank, pid=w.pid,
@@ -355,15 +209,18 @@ class Cycle:
         spawned = {w.rank: monotonic_of(w.started_at) for w in self.group.workers}
         d.monitor.start_cycle(self.number, [self.slots[w.rank] for w in self.group.workers],
                               spawned, d.rundir.private,
-                              on_section_closed=self.stragglers.observe,
-                              on_device_time=self.stragglers.observe_device,
+                              on_section_closed=feeds.section_closed,
+                              on_device_time=feeds.device_time,
                               on_fence=self.peers.answer_fence)
-        self.exchange = straggler_exchange.for_round(
-            d.rdzv, rnd.group_rank, rnd.group_world_size, d.host)
         workers = self.group.workers
         d.events("workers_started", ranks=[w.rank for w in workers],
                  pids=[w.pid for w in workers], device_map=d.job.device_map(),
                  warm=[w.warm for w in workers])
+
+    def worker_env(self, rank: int, env: Mapping[str, str]) -> dict[str, str]:
+        """What the stop fence and the services add to ``rank``'s environment."""
+        added = self.peers.worker_env()
+        return {**added, **self.services.worker_env(rank, {**env, **added})}
 
     def finish(self, result: CycleResult) -> CycleResult:
         """Stop the workers, read what they said last, close the cycle's books."""
@@ -388,6 +245,7 @@ class Cycle:
         result.diagnoses = list(d.monitor.diagnoses)
         d.record.diagnoses.extend(result.diagnoses)
         result.progress_iteration = progress_iteration(d.cfg, d.monitor, d.job)
+        self.services.ended(result)
         return result
 
     def stop_workers(self, result: CycleResult) -> None:
@@ -424,16 +282,16 @@ class Cycle:
     def wake_inputs(self, state: WatchState) -> WakeInputs:
         d, armed = self.d, self.armed
         fault_due = None if armed is None else armed.due()
-        polls = must_poll(d.rdzv.polls_peers, self.exchange is not None, d.signals.any_owed())
-        now = d.clock.monotonic()
-        return WakeInputs(now=now, wall=d.clock.time(), interval=d.cfg.monitor_interval,
-                          polls=polls,
+        polls = must_poll(d.rdzv.polls_peers, self.services.polls(), d.signals.any_owed())
+        now, wall = d.clock.monotonic(), d.clock.time()
+        return WakeInputs(now=now, wall=wall, interval=d.cfg.monitor_interval, polls=polls,
                           deadline=earliest(d.monitor.next_deadline(), self.stuck.watch.deadline()),
-                          fault_due=fault_due, status_due=d.status_due(),
-                          batch_until=state.batch_until, tick_due=d.standbys.tick_due(now))
+                          fault_due=fault_due, batch_until=state.batch_until,
+                          services_due=self.services.due(now, wall))
 
     def one_pass(self, state: WatchState, planned: float) -> CycleResult | None:
-        """Read, then judge: signals -> controls -> exits -> hang -> stragglers -> peers."""
+        """Read, then judge: signals -> controls -> exits -> hang -> the services' checks;
+        then the services' ticks, and the peers every --monitor-interval."""
         now = self.d.clock.monotonic()
         result = self.read(state, planned, now)
         if result is not None:
@@ -443,14 +301,10 @@ class Cycle:
         self.maybe_inject(state)
         result = (self.check_signals() or self.check_controls() or self.check_exits()
                   or self.stuck.check(self.group) or (may_judge and self.check_hang())
-                  or self.check_stragglers())
+                  or self.services.check())
         if result:
             return result
-        self.d.status()
-        # Standbys are spawned once every rank is training (first heartbeat or section).
-        self.d.standbys.tick(state.training_at is not None)
-        if self.d.snapshots is not None:
-            self.d.snapshots.tick()  # new local commits go to the buddies (never blocks)
+        self.services.tick(now, state.training_at is not None)
         if self.d.clock.monotonic() >= state.next_peer_check:
             state.next_peer_check = self.d.clock.monotonic() + self.d.cfg.monitor_interval
             return self.peers.poll(self.group, now)
@@ -570,7 +424,7 @@ class Cycle:
     def report_exit(self, w: Worker) -> WorkerExit:
         w.reported = True
         self.d.monitor.rank_exited(w.rank)
-        self.stragglers.forget(w.rank)
+        self.services.worker_exited(w)
         how = w.describe_exit()
         info = WorkerExit(w.rank, w.local_rank, w.pid, how["exit_code"], how["signal"], w.warm)
         # Stopped by the launcher only when it signalled the worker while it ran: one that
@@ -589,17 +443,3 @@ class Cycle:
         verdict = self.hang.respond(self.group, verdict)
         self.d.record.faults.append({"cycle": self.number, "kind": "hang", **asdict(verdict)})
         return CycleResult(self.number, Outcome.HUNG, hang=verdict)
-
-    def check_stragglers(self) -> CycleResult | None:
-        det = self.stragglers
-        if self.exchange is not None:
-            for node in self.exchange.poll(det.local_medians(), det.active_clock()):
-                for rank, median_s in node.medians.items():
-                    det.observe_remote(rank, node.host, median_s, node.clock)
-        for ev in det.evaluate():
-            self.d.events(ev.event, **ev.fields())
-            action = self.d.cfg.ft.straggler_action
-            if ev.event == DETECTED and action != "report":
-                return CycleResult(self.number, Outcome.STRAGGLER, straggler=ev.fields(),
-                                   action=action)
-        return None

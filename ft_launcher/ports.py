@@ -1,8 +1,9 @@
 """The seams of the job and cycle loops: what they ask of their collaborators.
 
-``monitor.Monitor``, the rendezvous classes, ``standby.StandbyPool`` and
+``monitor.Monitor``, the rendezvous classes, ``standby_pool.StandbyPool`` and
 ``workers.WorkerGroup`` implement these; tests/test_supervisor_loop.py drives the loops
-with fakes of the same shape. Type-checking only: nothing here runs.
+with fakes of the same shape. Type-checking only: nothing here runs. The services a cycle
+only calls have their own seam, ``services.seam.CycleService``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ class MonitorPort(Protocol):
     endpoint: str
     socket: Any  # polled with the signal wake-up fd (watch.socket_wait)
     diagnoses: list[dict[str, Any]]
+    report_handlers: dict[str, Callable[[int, str], Any]]  # what -> handler (services)
 
     def start_cycle(self, cycle: int, slots: list[Any], spawned_at: dict[int, float],
                     private_dir: Path, *, on_section_closed: Callable[..., Any] | None = ...,
@@ -38,6 +40,7 @@ class MonitorPort(Protocol):
     def check(self, now: float) -> HangVerdict | None: ...
     def training_since(self) -> float | None: ...
     def any_connected(self) -> bool: ...
+    def closed_a_section(self, rank: int) -> bool: ...
     def all_connected(self) -> bool: ...
     def goodbye_ranks(self) -> set[int]: ...
     def take_controls(self) -> list[tuple[int, str]]: ...
@@ -48,6 +51,7 @@ class MonitorPort(Protocol):
     def last_activity(self) -> dict[int, float]: ...
     def last_progress(self) -> dict[int, tuple[int, float]]: ...
     def checkpoints(self) -> list[int]: ...
+    def progress(self) -> dict[int, int]: ...
 
 
 class RendezvousPort(Protocol):
@@ -65,7 +69,8 @@ class RendezvousPort(Protocol):
 
 
 class StandbyPort(Protocol):
-    """The warm-restart pool (inert when warm restart is off)."""
+    """The warm-restart pool (inert when warm restart is off): the joiner waits for its
+    first standbys, ``services.warm.WarmService`` calls the rest."""
 
     def tick_due(self, now: float) -> float | None: ...
     def take_store(self) -> int | None: ...

@@ -1,9 +1,9 @@
 """The node supervisor: the job's loop over cycles, whose decisions come from ``policy.decide``.
 
 The job keeps only what lives as long as the job (the journal and ledger, the monitor,
-the rendezvous, the standby pool, the signals, the policy's state) and runs one short loop:
-join a round -> run one cycle (``cycle.Cycle``) -> decide -> apply -> exit barrier ->
-summary. Everything runs on the main thread.
+the rendezvous, the standby pool, the services its cycles call, the signals, the policy's
+state) and runs one short loop: join a round -> run one cycle (``cycle.Cycle``) -> decide
+-> apply -> exit barrier -> summary. Everything runs on the main thread.
 """
 
 from __future__ import annotations
@@ -16,18 +16,20 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ft_launcher import faults, policy
-from ft_launcher.config import LaunchConfig
-from ft_launcher.cycle import Cycle, CycleDeps, JobRecord, arm_fault
+from ft_launcher.cycle import Cycle, CycleDeps, JobRecord
 from ft_launcher.hang.monitor import Monitor
 from ft_launcher.join import Joiner, make_rendezvous
 from ft_launcher.journal import Journal
 from ft_launcher.policy import CycleResult, Decision, JobState, Outcome
 from ft_launcher.rundir import RunDir
+from ft_launcher.services import job as job_services
 from ft_launcher.signals import Interrupted, SignalBox
-from ft_launcher.warm.standby_pool import StandbyPool
+
+if TYPE_CHECKING:
+    from ft_launcher.config import LaunchConfig
 
 log = logging.getLogger("ft_launcher")
 
@@ -50,6 +52,7 @@ class Parts:
     wait: Any = None  # watch.Wait: the watch loop's sleep
     new_group: Callable[..., Any] | None = None  # process.workers.WorkerGroup
     handles_signal: Callable[[int, int], bool] | None = None
+    services: Any = None  # services.seam.Services: what the cycles call (services.job)
 
 
 class Supervisor:
@@ -78,7 +81,7 @@ class Supervisor:
         self.signals.install()
         # Warm restart (--ft-warm-restart): standby interpreters; inert when off.
         self.standbys = parts.standbys or \
-            StandbyPool(cfg, self.rundir.logs / "standby", self.event, wake=self.signals.poke)
+            job_services.standby_pool(cfg, self.rundir, self.event, wake=self.signals.poke)
         self.joiner = Joiner(cfg, self.rdzv, self.standbys, self.signals, self.event,
                              self.rundir.path, parts.gpus)
         self.job = JobState(
@@ -88,6 +91,9 @@ class Supervisor:
             skip_bad_iterations=cfg.ft.skip_bad_iterations,
             max_no_progress_cycles=cfg.ft.max_no_progress_cycles,
         )
+        self.services = parts.services or job_services.for_job(
+            cfg, self.rundir, self.event, journal=self.journal, monitor=self.monitor,
+            rdzv=self.rdzv, standbys=self.standbys, host=self.host)
         self.deps = self._cycle_deps(parts)
         self.current: Cycle | None = None
 
@@ -106,11 +112,9 @@ class Supervisor:
                                       ("handles_signal", parts.handles_signal)) if v}
         return CycleDeps(
             cfg=self.cfg, rundir=self.rundir, monitor=self.monitor, rdzv=self.rdzv,
-            standbys=self.standbys, signals=self.signals, events=self.event, job=self.job,
-            record=self.record,
-            status=lambda: self.journal.print_status(self.monitor.progress),
-            status_due=self.journal.status_due,
-            wait=parts.wait, host=self.host, gpus=self.joiner.gpus, **optional)
+            services=self.services, signals=self.signals, events=self.event, job=self.job,
+            record=self.record, fault_plan=self.fault_plan, wait=parts.wait,
+            gpus=self.joiner.gpus, **optional)
 
     def _socket_path(self) -> Path:
         path = self.rundir.private / "monitor.sock"
@@ -185,8 +189,7 @@ class Supervisor:
         joined = self.joiner.join(self.cycle)
         if isinstance(joined, CycleResult):
             return joined
-        armed = arm_fault(self.fault_plan, self.cycle, joined, self.cfg)
-        self.current = Cycle(self.deps, self.cycle, joined, armed)
+        self.current = Cycle(self.deps, self.cycle, joined)
         result = self.current.run()
         self.current = None
         return result
@@ -194,9 +197,7 @@ class Supervisor:
     def _close(self, decision: Decision | None) -> None:
         if self.current is not None:
             self.current.abort()
-        self.standbys.close()
-        if self.deps.snapshots is not None:
-            self.deps.snapshots.close()  # the job's snapshots go with it
+        self.services.close()  # the standby pool, the job's snapshots, ...
         self.monitor.close()
         self.journal.close()
         # Close the rendezvous only when the job is over for every node; a node that

@@ -4,7 +4,7 @@ The loop sleeps in one poll on the monitor's socket and the signal wake-up fd. W
 exits and signals wake it at once (SIGCHLD); messages wake it by themselves, but carry
 their send time, so right after a read it may sleep on the signals alone for
 ``MESSAGE_BATCH_S`` and drain the next batch in one go. Every deadline (a rank's timeout,
-the simulated fault, the status line) ends the sleep in time.
+the simulated fault, a service's next step such as the status line) ends the sleep in time.
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ MAX_JUDGE_DELAY_S = 10.0
 
 @dataclass(frozen=True)
 class WakeInputs:
-    """What decides the next wake-up. ``now``, ``deadline`` and ``batch_until`` are on the
-    monotonic clock; ``wall``, ``fault_due`` and ``status_due`` on the wall clock."""
+    """What decides the next wake-up. ``now``, ``deadline``, ``batch_until`` and
+    ``services_due`` are on the monotonic clock; ``wall`` and ``fault_due`` on the wall
+    clock."""
 
     now: float
     wall: float
@@ -36,9 +37,8 @@ class WakeInputs:
     polls: bool  # something must be polled every interval (see ``must_poll``)
     deadline: float | None = None  # the earliest rank deadline
     fault_due: float | None = None  # the simulated fault, not fired yet
-    status_due: float | None = None  # the status line
     batch_until: float = 0.0  # messages wait until then (read in one batch)
-    tick_due: float | None = None  # the standby pool's next timed step (monotonic)
+    services_due: float | None = None  # the services' next timed step (CycleService.due)
 
 
 @dataclass(frozen=True)
@@ -49,26 +49,24 @@ class Wake:
     signals_only: bool
 
 
-def must_poll(polls_peers: bool, exchanges: bool, owed: bool) -> bool:
+def must_poll(polls_peers: bool, services_poll: bool, owed: bool) -> bool:
     """Whether something must be polled every ``--monitor-interval``: other nodes (the
-    rendezvous, the straggler exchange), or a rank a SIGUSR1 is owed to (until it
-    installs a handler). The standby pool says itself when it is due (``tick_due``)."""
-    return polls_peers or exchanges or owed
+    rendezvous), a service (the straggler exchange), or a rank a SIGUSR1 is owed to (until
+    it installs a handler). A service with timed steps says when instead (``services_due``)."""
+    return polls_peers or services_poll or owed
 
 
 def next_wake(w: WakeInputs) -> Wake:
     """The next wake-up: the earliest of the poll interval (or ``IDLE_WAKE_S``), the rank
-    deadline, the standby pool's step, the fault and the status line; within a message
-    batch, on signals only."""
+    deadline, the services' next step and the fault; within a message batch, on signals
+    only."""
     timeout = w.interval if w.polls else IDLE_WAKE_S
     if w.deadline is not None:
         timeout = min(timeout, w.deadline - w.now)
-    if w.tick_due is not None:
-        timeout = min(timeout, w.tick_due - w.now)
+    if w.services_due is not None:
+        timeout = min(timeout, w.services_due - w.now)
     if w.fault_due is not None:
         timeout = min(timeout, w.fault_due - w.wall)
-    if w.status_due is not None:
-        timeout = min(timeout, w.status_due - w.wall)
     signals_only = w.now < w.batch_until
     if signals_only:
         timeout = min(timeout, w.batch_until - w.now)

@@ -1,7 +1,9 @@
 """The supervisor's loop, driven from inside: fakes for the worker group, the monitor, the
 rendezvous and the standby pool, a fake clock and a scripted wait (as torch elastic's
 tests drive its agent with scripted run results). No process, socket or real sleep: each
-case runs in milliseconds. The real RunDir records the events, read back from events.jsonl.
+case runs in milliseconds. The real RunDir records the events, read back from events.jsonl;
+the job's real services (services.job.for_job) run over the fakes, and a recording service
+shows the cycle calls each hook of the seam.
 
 The end-to-end tests (test_launcher.py, test_stalls.py, multinode/...) prove the wiring;
 these prove the order of the checks and what each path records.
@@ -21,8 +23,10 @@ from ft_launcher.config import FaultToleranceConfig, LaunchConfig
 from ft_launcher.hang import response as hang
 from ft_launcher.hang.liveness import HangVerdict
 from ft_launcher.nodes.rendezvous import RoundInfo, RoundView, Standing
+from ft_launcher.policy import CycleResult
 from ft_launcher.process.workers import Worker, WorkerSpec
 from ft_launcher.rundir import read_events
+from ft_launcher.services.seam import CycleService, CycleStart, RankFeeds, Services
 from ft_launcher.signals import SignalBox
 from ft_launcher.supervisor import Parts, Supervisor
 from ft_launcher.watch import IDLE_WAKE_S, MESSAGE_BATCH_S, WakeInputs, must_poll, next_wake
@@ -72,8 +76,10 @@ class FakeGroup:
 
     def start(self, specs: list[WorkerSpec], warm: Any = None) -> None:
         started = self.clock.time() if self.clock else T0_WALL
-        self.workers = [Worker(spec=s, proc=FakeProc(next(self.pids)), started_at=started)
-                        for s in specs]  # type: ignore[arg-type]
+        for s in specs:  # as WorkerGroup.start: a warm source first, else a cold spawn
+            taken = warm(s, lambda spec: None) if warm is not None else None
+            self.workers.append(taken or Worker(spec=s, proc=FakeProc(next(self.pids)),
+                                                started_at=started))  # type: ignore[arg-type]
 
     def exit(self, rank: int, code: int) -> None:
         next(w for w in self.workers if w.rank == rank).proc.code = code  # type: ignore
@@ -123,6 +129,7 @@ class FakeMonitor:
         self.verdict_at: float | None = None
         self.stall_over = 1.0  # a wake this much after the planned one is a stall
         self.callbacks: dict[str, Any] = {}
+        self.report_handlers: dict[str, Any] = {}
         self.diagnoses: list[dict[str, Any]] = []
         self.group: FakeGroup | None = None
         self.training = True
@@ -296,6 +303,7 @@ class Harness:
     script: list[tuple[float, Callable[[], Any]]] = field(default_factory=list)
     stalls: dict[int, float] = field(default_factory=dict)  # wait number -> extra seconds
     handles: Callable[[int, int], bool] = lambda pid, signum: True  # noqa: E731
+    services: Any = None  # None: the job's own (services.job.for_job)
 
     def __post_init__(self) -> None:
         self.monitor = FakeMonitor(self.clock)
@@ -339,7 +347,8 @@ class Harness:
                            ft=FaultToleranceConfig(**self.ft))
         parts = Parts(monitor=self.monitor, rdzv=self.rdzv, standbys=FakeStandbys(),
                       signals=self.signals, gpus=lambda: 0, clock=self.clock,
-                      wait=self.wait, new_group=self.new_group, handles_signal=self.handles)
+                      wait=self.wait, new_group=self.new_group, handles_signal=self.handles,
+                      services=self.services)
         sup = Supervisor(cfg, parts)
         code = sup.run()
         return code, read_events(sup.rundir.path)
@@ -658,6 +667,86 @@ def test_a_rank_still_training_after_a_peer_exited_is_not_ended(tmp_path):
     assert h.clock.now - h.start == pytest.approx(100.0, abs=1.1)
 
 
+# -- the services' seam ----------------------------------------------------------------------
+
+
+class RecordingService(CycleService):
+    """A service the cycle knows nothing of: it records each hook it is called at."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        self.clock = clock
+        self.calls: list[tuple[str, Any]] = []
+        self.due_at: float | None = clock.now + 0.3
+
+    def begin(self, start: CycleStart) -> None:
+        self.calls.append(("begin", (start.cycle, start.round.round, start.ranks)))
+
+    def worker_env(self, rank: int, env: Any) -> dict[str, str]:
+        self.calls.append(("worker_env", (rank, env["RANK"])))
+        return {"FT_RECORDED": str(rank)}
+
+    def feeds(self) -> RankFeeds:
+        self.calls.append(("feeds", None))
+        return RankFeeds(section_closed=lambda *a: self.calls.append(("section", a)),
+                         reports={"recorded": lambda *a: self.calls.append(("report", a))})
+
+    def take_worker(self, spec: WorkerSpec, sink: Any) -> None:
+        self.calls.append(("take_worker", spec.rank))
+
+    def started(self, workers: Any) -> None:
+        self.calls.append(("started", [w.rank for w in workers]))
+
+    def due(self, now: float, wall: float) -> float | None:
+        self.calls.append(("due", None))
+        return self.due_at
+
+    def polls(self) -> bool:
+        self.calls.append(("polls", None))
+        return False
+
+    def check(self) -> None:
+        self.calls.append(("check", None))
+
+    def tick(self, now: float, training: bool) -> None:
+        self.calls.append(("tick", training))
+        self.due_at = None  # one timed step, then only the idle wake
+
+    def worker_exited(self, worker: Worker) -> None:
+        self.calls.append(("worker_exited", worker.rank))
+
+    def ended(self, result: CycleResult) -> None:
+        self.calls.append(("ended", result.outcome.value))
+
+    def close(self) -> None:
+        self.calls.append(("close", None))
+
+
+def test_a_service_in_the_list_is_called_at_each_hook_in_order(tmp_path):
+    h = Harness(tmp_path)
+    recorder = RecordingService(h.clock)
+    h.services = Services([recorder])
+    h.at(1.0, lambda: (h.monitor.callbacks["on_section_closed"](1, "step", 0.5),
+                       h.monitor.report_handlers["recorded"](0, "hello")))
+    h.at(2.0, lambda: (h.group.exit(0, 0), h.group.exit(1, 0)))
+    code, events = h.run()
+    assert code == 0
+    calls = recorder.calls
+    hooks = [name for name, _ in calls if name not in ("section", "report")]
+    assert list(dict.fromkeys(hooks)) == [  # each hook, by its first call
+        "begin", "feeds", "worker_env", "take_worker", "started", "polls", "due", "check",
+        "tick", "worker_exited", "ended", "close"]
+    assert calls[0] == ("begin", (0, 1, (0, 1)))
+    assert ("worker_env", (1, "1")) in calls and ("started", [0, 1]) in calls
+    assert [w.spec.env["FT_RECORDED"] for w in h.group.workers] == ["0", "1"]
+    assert ("section", (1, "step", 0.5)) in calls and ("report", (0, "hello")) in calls
+    assert ("tick", True) in calls
+    assert [c for c in calls if c[0] == "worker_exited"] == [
+        ("worker_exited", 0), ("worker_exited", 1)]
+    assert calls[-2:] == [("ended", "succeeded"), ("close", None)]
+    # Its due time woke the loop (the idle wake is 1 s).
+    assert h.waits[0][0] == pytest.approx(0.3)
+
+
 # -- when to wake: a pure function -----------------------------------------------------------
 
 
@@ -673,7 +762,7 @@ def test_with_nothing_to_poll_the_loop_sleeps_until_its_idle_wake():
 def test_the_earliest_deadline_ends_the_sleep():
     assert next_wake(_inputs(deadline=10.2)).timeout == pytest.approx(0.2)
     assert next_wake(_inputs(fault_due=1000.3)).timeout == pytest.approx(0.3)
-    assert next_wake(_inputs(status_due=1000.1, deadline=10.2)).timeout == pytest.approx(0.1)
+    assert next_wake(_inputs(services_due=10.1, deadline=10.2)).timeout == pytest.approx(0.1)
     assert next_wake(_inputs(deadline=9.0)).timeout == 0.0  # overdue: at once
 
 
@@ -691,7 +780,7 @@ def test_an_owed_signal_or_another_node_makes_the_loop_poll():
         assert must_poll(*flags)
 
 
-def test_the_standby_pools_next_step_ends_the_sleep_and_a_full_pool_none():
-    assert next_wake(_inputs(tick_due=10.3)).timeout == pytest.approx(0.3)
-    assert next_wake(_inputs(tick_due=12.0)).timeout == IDLE_WAKE_S
-    assert next_wake(_inputs(tick_due=None)).timeout == IDLE_WAKE_S
+def test_a_services_next_step_ends_the_sleep_and_none_leaves_the_idle_wake():
+    assert next_wake(_inputs(services_due=10.3)).timeout == pytest.approx(0.3)
+    assert next_wake(_inputs(services_due=12.0)).timeout == IDLE_WAKE_S
+    assert next_wake(_inputs(services_due=None)).timeout == IDLE_WAKE_S
