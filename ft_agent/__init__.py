@@ -4,7 +4,9 @@ Light on purpose: importing it loads neither click nor torch nor zmq; the ZeroMQ
 opened by ``RankMonitorClient.init_workload_monitoring()``.
 
 NVRx code ports by changing ``import nvidia_resiliency_ext.fault_tolerance as ft`` to
-``import ft_agent as ft``: the names below are NVRx's, with NVRx's meaning.
+``import ft_agent as ft``: the names below are NVRx's, with NVRx's meaning, except
+``snapshot_stateful`` and ``restore_stateful`` (in-memory snapshots of a dict of objects
+with ``state_dict()`` / ``load_state_dict()``, see ``ft_agent.stateful``).
 """
 
 from ft_agent.client import RankMonitorClient, RankMonitorClientError, get_client
@@ -16,6 +18,7 @@ from ft_agent.nvrx_types import (
     WorkloadAction,
     WorkloadControlRequest,
 )
+from ft_agent.stateful import restore_stateful, snapshot_stateful
 
 __all__ = [
     "CURRENT_TIMEOUTS_STATE_KEY",
@@ -28,4 +31,6 @@ __all__ = [
     "WorkloadAction",
     "WorkloadControlRequest",
     "get_client",
+    "restore_stateful",
+    "snapshot_stateful",
 ]

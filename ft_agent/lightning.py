@@ -49,6 +49,7 @@ else:
 
 from ft_agent import simulated_fault
 from ft_agent.client import REPORT_FLUSH_S, RankMonitorClient, get_client
+from ft_agent.stateful import StatefulList, restore_stateful, snapshot_stateful
 
 __all__ = [
     "FINISHED_FLAG_ENV",
@@ -183,6 +184,11 @@ def training_completed(trainer: Trainer) -> bool:
     return isinstance(max_epochs, int) and max_epochs > 0 and trainer.current_epoch >= max_epochs
 
 
+def fit_app_state(trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:
+    """What a snapshot of ``fit`` holds, as an app state for ``ft_agent.stateful``."""
+    return {"model": pl_module, "optimizers": StatefulList(trainer.optimizers)}
+
+
 def snapshot_fit_state(client: Any, trainer: Trainer, pl_module: LightningModule,
                        every: int | None) -> Any:
     """Every ``every`` steps, offer the module's and optimizers' state to
@@ -190,22 +196,18 @@ def snapshot_fit_state(client: Any, trainer: Trainer, pl_module: LightningModule
     taken); its status, or None."""
     if not every or trainer.global_step % every:
         return None
-    state = {"model": pl_module.state_dict(),
-             "optimizers": [opt.state_dict() for opt in trainer.optimizers]}
-    return client.snapshot(state, trainer.global_step)
+    return snapshot_stateful(fit_app_state(trainer, pl_module), trainer.global_step,
+                             client=client)
 
 
 def restore_fit_state(client: Any, trainer: Trainer, pl_module: LightningModule) -> int | None:
     """Load the snapshot the launcher chose for this cycle into the module and optimizers
     and move the step counter there, when it is newer than where ``fit`` starts (a disk
     checkpoint already loaded); the step restored, or None."""
-    restored = client.restore()
-    if restored is None or restored[1] <= trainer.global_step:
+    step = restore_stateful(fit_app_state(trainer, pl_module), newer_than=trainer.global_step,
+                            client=client)
+    if step is None:
         return None
-    state, step = restored
-    pl_module.load_state_dict(state["model"])
-    for opt, opt_state in zip(trainer.optimizers, state["optimizers"], strict=True):
-        opt.load_state_dict(opt_state)
     loop = trainer.fit_loop.epoch_loop
     # global_step counts optimizer steps: set where Lightning keeps them.
     if pl_module.automatic_optimization:
