@@ -1,0 +1,126 @@
+"""Real training stacks under ft_launcher, each killed once mid-run and finishing with exit 0.
+
+Scripts written for their stack, not for the launcher: a Hugging Face Trainer script
+(examples/hf_trainer.py, unchanged and then with ft_agent's callback), a Lightning
+``Trainer.fit`` with ft_agent.lightning's callback (examples/train_lightning.py), and a
+torchrun DDP script that imports ft_agent only behind a flag it is not given. The kill is
+the launcher's own ``--ft-simulated-fault``. Two CPU ranks on gloo; the packages are the
+test extras' (transformers, accelerate, lightning).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from launch_helpers import EXAMPLES, events, named, run_launcher, summary
+from test_lightning import FAST_STOP, one, steps_logged
+from test_lightning import TRAIN as LIGHTNING_SCRIPT
+
+pytestmark = [pytest.mark.slow, pytest.mark.stacks, pytest.mark.timeout(180)]
+
+HF_SCRIPT = str(EXAMPLES / "hf_trainer.py")
+DDP_SCRIPT = str(Path(__file__).resolve().parent / "ddp_torchrun.py")
+TWO_RANKS = ("--nproc-per-node", "2", "--max-restarts", "2", *FAST_STOP)
+# 120 steps of at least 0.1 s (a sleep; about 0.15 s on 2 idle cores), a checkpoint every
+# 10. The kill comes 10 s after the spawn or, once the callback said hello, after training
+# started: past the imports (about 5 s here) and the first checkpoint, before the end even
+# where a step costs nothing but its sleep.
+HF_TRAINING = ("--max-steps", "120", "--save-steps", "10", "--step-time", "0.1")
+KILL = "rank_killed:base_delay=10,rank=1"
+# Steps a rank may redo after a kill when it snapshots every step: the newest snapshot
+# every rank has committed is the last step or one before it; a busy machine delays the
+# background commit, and a snapshot asked for during one is skipped.
+MAX_REDONE = 5
+
+
+def rank_log(run_dir: Path, cycle: int, rank: int) -> str:
+    return (run_dir / "logs" / f"cycle_{cycle}" / f"rank_{rank}.log").read_text()
+
+
+def hf_resumed_from(run_dir: Path, cycle: int, rank: int) -> str:
+    """What examples/hf_trainer.py says it resumed from, once trained to the end."""
+    found = re.search(r"trained to global_step (\d+) \(resumed from (.+)\)",
+                      rank_log(run_dir, cycle, rank))
+    assert found, rank_log(run_dir, cycle, rank)[-3000:]
+    assert found.group(1) == "120"
+    return found.group(2)
+
+
+def killed_once(run_dir: Path, counted_from: str) -> dict:
+    """The one fault: rank 1 SIGKILLed in cycle 0, one restart, exit 0."""
+    evs = events(run_dir)
+    fault = one(evs, "fault_injected")
+    assert (fault["cycle"], fault["rank"], fault["fault_type"]) == (0, 1, "rank_killed")
+    assert fault["counted_from"] == counted_from
+    assert one(evs, "worker_exited", cycle=0, rank=1)["signal"] == "SIGKILL"
+    s = summary(run_dir)
+    assert (s["exit_code"], s["restarts"], s["cycles"]) == (0, 1, 2)
+    return fault
+
+
+def test_hf_trainer_unchanged_resumes_from_its_disk_checkpoint(run_dir: Path):
+    # The script never talks to the launcher: the fault counts from the spawn.
+    proc = run_launcher(run_dir, *TWO_RANKS, "--ft-simulated-fault", KILL, HF_SCRIPT,
+                        *HF_TRAINING, timeout=170)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    killed_once(run_dir, "spawn")
+    assert not named(events(run_dir), "rank_connected"), "nothing in the script says hello"
+    resumed = {hf_resumed_from(run_dir, 1, rank) for rank in (0, 1)}
+    assert len(resumed) == 1, resumed
+    found = re.fullmatch(r".*/checkpoint-(\d+)", resumed.pop())
+    assert found and int(found.group(1)) > 0 and int(found.group(1)) % 10 == 0
+
+
+def test_hf_trainer_with_the_callback_resumes_from_a_snapshot(run_dir: Path):
+    proc = run_launcher(run_dir, *TWO_RANKS, "--ft-snapshot-every", "1", "--ft-simulated-fault",
+                        KILL, HF_SCRIPT, *HF_TRAINING, "--ft-callback", timeout=170)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    killed_once(run_dir, "training")
+    evs = events(run_dir)
+    restored = [e for e in named(evs, "snapshot_restored") if e["cycle"] == 1]
+    assert {e["rank"] for e in restored} == {0, 1}
+    (step,) = {e["iteration"] for e in restored}
+    saved = [e["iteration"] for e in named(evs, "checkpoint_saved") if e["cycle"] == 0]
+    last = max(e["iteration"] for e in named(evs, "last_progress") if e["cycle"] == 0)
+    assert step >= max(saved, default=0), "the snapshot is at least as new as the checkpoint"
+    assert 0 <= last - step <= MAX_REDONE, (last, step)
+    # Both ranks went on from the snapshot's step, and the training ended where it should.
+    firsts = [e for e in named(evs, "first_step") if e["cycle"] == 1]
+    assert {(e["rank"], e["iteration"]) for e in firsts} == {(0, step + 1), (1, step + 1)}
+    for rank in (0, 1):
+        hf_resumed_from(run_dir, 1, rank)
+
+
+def test_lightning_fit_with_the_callback_resumes_from_its_checkpoint(run_dir: Path):
+    # As the HF runs: the callback's hello comes well before 10 s, and the kill 10 s after
+    # training started, before the end of 120 steps of at least 0.1 s.
+    proc = run_launcher(run_dir, *TWO_RANKS, "--ft-simulated-fault", KILL, LIGHTNING_SCRIPT,
+                        "--max-steps", "120", "--ckpt-every", "10", "--val-every", "60",
+                        "--step-time", "0.1", timeout=170)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    killed_once(run_dir, "training")
+    resumed = steps_logged(run_dir, 1, 0, "train_start")
+    assert resumed > 0 and resumed % 10 == 0
+    assert steps_logged(run_dir, 1, 1, "train_start") == resumed
+    assert steps_logged(run_dir, 1, 0, "train_end") == steps_logged(run_dir, 1, 1, "train_end") \
+        == 120
+
+
+def test_torchrun_script_with_ft_agent_behind_a_flag_is_killed_on_time(run_dir: Path):
+    """The script's source imports ft_agent, behind --ft, which it is not given: nothing
+    says hello, and the fault fires base_delay after the spawn, not after a wait for one."""
+    proc = run_launcher(run_dir, *TWO_RANKS, "--ft-simulated-fault",
+                        "rank_killed:base_delay=4,rank=1", DDP_SCRIPT, "--epochs", "16",
+                        timeout=120)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    fault = killed_once(run_dir, "spawn")
+    evs = events(run_dir)
+    spawned = one(evs, "workers_started", cycle=0)["ts"]
+    assert 3.9 <= fault["at"] - spawned <= 5.5, fault["at"] - spawned
+    assert not named(evs, "rank_connected")
+    log = rank_log(run_dir, 1, 0)
+    found = re.search(r"resuming from the checkpoint at epoch (\d+)", log)
+    assert found and int(found.group(1)) > 0, log[-3000:]
+    assert "trained 16 epochs" in log and "trained 16 epochs" in rank_log(run_dir, 1, 1)
