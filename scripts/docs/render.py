@@ -531,6 +531,56 @@ def _soak_section(doc: dict[str, Any], name: str) -> list[str]:
     return out
 
 
+HF_MODES = {  # scripts/bench/hf_trainer.py's modes
+    "ours": "ours, defaults",
+    "torchrun": "torchrun",
+    "nvrx": "NVRx 0.4.1",
+    "ours-callback": "ours, the script with ft_agent's callback (snapshots)",
+}
+
+
+def _hf_trainer_sections() -> list[str]:
+    out = []
+    for name in sorted(p.name for p in BENCH.glob("hf_trainer*.json")):
+        out += hf_trainer_section(_load(name), name)
+    return out
+
+
+def hf_trainer_section(doc: dict[str, Any], name: str) -> list[str]:
+    """A result of scripts/bench/hf_trainer.py: per launcher, what each SIGKILL cost."""
+    s, versions = doc["settings"], doc["versions"]
+    out = [f"## A Hugging Face Trainer killed {s['faults']} times a run (`{name}`)", "",
+           "Written by `scripts/bench/hf_trainer.py`: `examples/hf_trainer.py` (a tiny GPT-2, "
+           "2 CPU ranks on gloo, a disk checkpoint every "
+           f"{s['save_steps']} steps, resumed from the newest) under each launcher with its "
+           f"defaults, rank 1 SIGKILLed {s['faults']} times a run; runs per launcher: "
+           f"{s['repeat']}. Cells are median (min–max) over the kills.", "",
+           f"- date: {doc['date']}",
+           f"- machine: {_machine_line(doc['machine'])}",
+           f"- command: `{doc['command']}`",
+           "- versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()),
+           f"- processes left after the run: {len(doc['leftover_processes'])}", "",
+           "| launcher | SIGKILL → first step of every rank, first kill, s | the same, later "
+           "kills, s | steps redone per kill | kills recovered |",
+           "|---|---|---|---|---|"]
+    for mode in doc["modes"]:
+        runs = doc["runs"][mode]
+        kills = [f for r in runs for f in r["faults"]]
+        first = [r["faults"][0]["recovery_s"] for r in runs if r["faults"]]
+        later = [f["recovery_s"] for r in runs for f in r["faults"][1:]]
+        recovered = sum(f["recovery_s"] is not None for f in kills)
+        out.append(f"| {HF_MODES.get(mode, mode)} | {_spread(first)} | {_spread(later)} | "
+                   f"{_spread([f.get('redone') for f in kills], 0)} | {recovered} of "
+                   f"{s['faults'] * len(runs)} |")
+    out += ["", "Targets:", ""]
+    for t in doc["targets"]:
+        verdict = {True: "met", False: "not met", None: "not judged (figures missing)"}
+        values = ", ".join("—" if v is None else f"{v:g}" for v in t["values"])
+        out.append(f"- {t['target']}: **{verdict[t['met']]}** ({values or 'no figure'})")
+    out += ["", "Method:", ""] + [f"- {_cell_text(note)}" for note in doc["method"]]
+    return out + [""]
+
+
 FAULT_KINDS = {
     "kill": "SIGKILL of a rank",
     "stop": "SIGSTOP of a rank (hang)",
@@ -570,6 +620,7 @@ def benchmarks_page() -> str:
     lines += _snapshot_sections()
     lines += _replica_sections()
     lines += _soak_sections()
+    lines += _hf_trainer_sections()
     text = "\n".join(lines)
     return text.rstrip("\n") + "\n"
 
