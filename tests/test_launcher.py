@@ -55,6 +55,13 @@ def test_clean_run_exits_0_with_torchrun_environment(run_dir):
         assert env["FT_ENDPOINT"].startswith("ipc://")
         assert (run_dir / "logs" / "cycle_0" / f"rank_{rank}.log").read_text().strip() \
             == f"rank {rank} says hello"
+        # A warm worker (the default) shows the zygote's environment in /proc/PID/environ,
+        # without RANK: workers.json is where outside tools find its rank.
+        assert dumped["workers_json"] == {"rank": rank, "local_rank": rank, "cycle": 0,
+                                          "warm": True}
+        assert dumped["rank_in_proc_environ"] is False
+    assert json.loads((run_dir / "workers.json").read_text()) == \
+        {"cycle": None, "workers": {}}, "emptied once the cycle ended"
     exited = named(events(run_dir), "worker_exited")
     assert sorted((e["rank"], e["exit_code"], e["stopped_by_launcher"]) for e in exited) == \
         [(0, 0, False), (1, 0, False)]

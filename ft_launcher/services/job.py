@@ -16,6 +16,7 @@ from ft_launcher.services.snapshots import SnapshotService
 from ft_launcher.services.status import StatusLine
 from ft_launcher.services.stragglers import StragglerService
 from ft_launcher.services.warm import WarmService
+from ft_launcher.services.workers_file import WorkersFile
 from ft_launcher.snapshots import service as snapshots
 from ft_launcher.warm.standby_pool import StandbyPool
 
@@ -42,5 +43,6 @@ def for_job(cfg: LaunchConfig, rundir: RunDir, events: Callable[..., Any], *,
     job_snapshots = snapshots.for_job(cfg, rundir, events)
     if job_snapshots is not None:
         services.append(SnapshotService(job_snapshots, rdzv))
-    services += [WarmService(standbys), StragglerService(cfg.ft, rdzv, host, events)]
+    services += [WarmService(standbys), StragglerService(cfg.ft, rdzv, host, events),
+                 WorkersFile(rundir.path)]
     return Services(services)
