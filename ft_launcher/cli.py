@@ -140,8 +140,12 @@ FT_OPTIONS = [
     ("--ft-warm-restart/--no-ft-warm-restart", "warm_restart",
      "Start workers from standbys with the preloads imported, forked from one zygote per "
      "node, for the first cycle and every restart, without a fresh import [on]."),
-    ("--ft-preload", "preload", "Modules standby workers import, comma-separated "
-     "[torch,torch._dynamo]."),
+    ("--ft-preload", "preload", "Modules the zygote imports for the standby workers, "
+     "comma-separated; they replace the defaults, or with a leading + come after them "
+     "(+mypkg) [torch,torch._dynamo]."),
+    ("--ft-preload-learn/--no-ft-preload-learn", "preload_learn",
+     "Also preload what the job's warm workers import (installed modules, not the "
+     "script's own), learned while the job runs and kept in the state file [on]."),
     ("--ft-agent-store/--no-ft-agent-store", "agent_store",
      "One node: host each cycle's TCPStore in a process listening before the workers "
      "start, so no rank waits out the store client's retry back-off (warm restart "
@@ -186,7 +190,7 @@ FT_OPTIONS = [
 
 
 FLAG_KEYS = {"skip_bad_iterations", "warm_restart", "agent_store",
-             "learned_timeouts_override"}
+             "learned_timeouts_override", "preload_learn"}
 MULTIPLE_KEYS = {"health_checks"}
 # NVRx's settings of the same name and meaning: their NVRx spellings are accepted too.
 NVRX_KEYS = (*agent_config.BASE_PARSERS, "max_no_progress_cycles", "checkpoint_iteration_file")

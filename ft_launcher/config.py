@@ -29,6 +29,8 @@ from ft_agent.config import parse_bool as _parse_bool
 from ft_agent.config import parse_optional_str as _parse_optional_str
 from ft_agent.config import parse_timeout as _parse_timeout  # noqa: F401
 
+DEFAULT_PRELOAD = ("torch", "torch._dynamo")
+
 
 @dataclass
 class FaultToleranceConfig(agent_config.FaultToleranceConfig):
@@ -47,7 +49,9 @@ class FaultToleranceConfig(agent_config.FaultToleranceConfig):
     # What a DDP script imports by its first step: torch, then torch._dynamo, which DDP's
     # constructor imports (-X importtime on examples/train_ddp.py, 2 CPU ranks: 2.58 s of
     # the 2.62 s its rank imports beyond torch). Both fork-safe: no thread, file or socket.
-    preload: list[str] = field(default_factory=lambda: ["torch", "torch._dynamo"])
+    preload: list[str] = field(default_factory=lambda: list(DEFAULT_PRELOAD))
+    # The zygote also imports what the job's warm workers imported (warm/learned_preloads.py).
+    preload_learn: bool = True
     # Single node: each cycle's TCPStore is hosted by a process that listens before the
     # workers start (TORCHELASTIC_USE_AGENT_STORE=True), even without warm restart. Off by
     # default: its torch import cost a 2-core machine 1.2 s of start-up (docs/warm-restart.md).
@@ -113,12 +117,25 @@ def _parse_section_name(name: str, value: Any) -> str:
     return text
 
 
-def _parse_list(name: str, value: Any) -> list[str]:
+def _parse_preload(name: str, value: Any) -> list[str]:
+    """Module names, comma-separated or a list: they replace the default preloads, or with
+    a leading ``+`` (``+mypkg,other``) come after them."""
     if isinstance(value, str):
-        return [v.strip() for v in value.split(",") if v.strip()]
-    if isinstance(value, list) and all(isinstance(v, str) for v in value):
-        return list(value)
-    raise ConfigError(f"{name}: expected a comma-separated list of module names, got {value!r}")
+        items = [v.strip() for v in value.split(",")]
+    elif isinstance(value, list) and all(isinstance(v, str) for v in value):
+        items = [v.strip() for v in value]
+    else:
+        raise ConfigError(f"{name}: expected a comma-separated list of module names, "
+                          f"got {value!r}")
+    add = bool(items) and items[0].startswith("+")
+    if add:
+        items[0] = items[0][1:].strip()
+    names = [v for v in items if v]
+    bad = [v for v in names if not all(part.isidentifier() for part in v.split("."))]
+    if bad:
+        raise ConfigError(f"{name}: {bad[0]!r} is not a module name (expected e.g. "
+                          "torch,torch._dynamo, or +mypkg to add to the defaults)")
+    return [*DEFAULT_PRELOAD, *names] if add else names
 
 
 def _parse_port(name: str, value: Any) -> int | None:
@@ -205,7 +222,8 @@ FT_PARSERS: dict[str, Parser] = {
     "checkpoint_iteration_file": _parse_optional_str,
     "warm_restart": _parse_bool,
     "agent_store": _parse_bool,
-    "preload": _parse_list,
+    "preload": _parse_preload,
+    "preload_learn": _parse_bool,
     "straggler_threshold": _parse_straggler_threshold,
     "straggler_action": _parse_straggler_action,
     "straggler_window": _parse_straggler_window,

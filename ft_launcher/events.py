@@ -179,7 +179,16 @@ EVENTS: dict[str, EventDoc] = {
         "warm restart", "forking is not safe: standbys are spawned instead", "reason, preload"),
     "standby_ready": EventDoc(
         "warm restart", "a standby for a local rank is ready",
-        "local_rank, pid, preload, forked, import_s, ready_s, threads, memory"),
+        "local_rank, pid, preload, generation (learners that took over before its fork), "
+        "forked, import_s, ready_s, threads, memory"),
+    "preload_learned": EventDoc(
+        "warm restart", "the zygote imported modules the job's warm workers imported; "
+        "standbys forked before are replaced",
+        "modules (their packages), count, imported, import_s, cpu_s, pid (the new zygote), "
+        "from_state (learned by an earlier job), memory"),
+    "preload_refused": EventDoc(
+        "warm restart", "a module the workers imported is left out of the preloads for "
+        "the job", "module, reason"),
     "standby_died": EventDoc(
         "warm restart", "a standby died before it was used",
         "local_rank, pid, forked, was_ready, exit_code, signal"),

@@ -42,6 +42,8 @@ log = logging.getLogger("ft_launcher")
 LOCK_FILE = "launcher.lock"
 EVENTS_FILE = "events.jsonl"
 SUMMARY_FILE = "summary.json"
+STATE_FILE = "ft_state.json"  # learned timeouts (hang/timeouts.py) and preloads (warm/)
+PRIVATE_DIR = "ipc"
 RESERVED_FIELDS = ("ts", "event", "cycle")
 _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -65,6 +67,17 @@ def write_json_atomic(path: Path, data: Any, durable: bool = False) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path``; {} when it is missing, unreadable or not an object.
+    Files several writers share (``ft_state.json``) are updated as read, change one key,
+    ``write_json_atomic``."""
+    try:
+        data = json.loads(Path(path).read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def _owner_name(uid: int) -> str:
@@ -161,7 +174,8 @@ class RunDir:
         self.path = Path(path).absolute()
         self.logs = Path(log_dir).absolute() if log_dir else self.path / "logs"
         self.stacks = self.path / "stacks"
-        self.private = self.path / "ipc"  # the monitor's socket and the agents' stack files
+        # The monitor's socket, the agents' stack files, the workers' learned-preload lists.
+        self.private = self.path / PRIVATE_DIR
         self.events_dropped = 0
         self._torn = False  # the last event write was partial: start the next on a new line
         self._lock = threading.Lock()  # events come from output threads too

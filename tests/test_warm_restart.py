@@ -49,7 +49,8 @@ def _ready(run_dir: Path, cycle: int | None = None) -> list[dict]:
 
 
 def _spares(run_dir: Path) -> list[dict]:
-    """``standby_ready`` of the standbys not taken as workers. The first cycle's workers
+    """``standby_ready`` of the standbys not taken as workers, the latest per local rank
+    (after learned preloads a new standby replaces an older one). The first cycle's workers
     are standbys too, each reported ready just before ``workers_started`` is written, so
     nothing before that event is a spare."""
     evs = events(run_dir)
@@ -58,7 +59,9 @@ def _spares(run_dir: Path) -> list[dict]:
         return []
     taken = {pid for e in evs[started[0]:] if e["event"] == "workers_started"
              for pid in e["pids"]}
-    return [e for e in named(evs[started[0]:], "standby_ready") if e["pid"] not in taken]
+    latest = {e["local_rank"]: e for e in named(evs[started[0]:], "standby_ready")
+              if e["pid"] not in taken}
+    return list(latest.values())
 
 
 # -- 1. same training results, warm or cold -----------------------------------------------
@@ -216,6 +219,8 @@ def test_warm_worker_sees_a_fresh_process(tmp_path, run_dir, mode):
     assert cold_run.returncode == 0, cold_run.stdout
     cmd = launcher_cmd(run_dir, "--nproc-per-node", "2", "--max-restarts", "2",
                        "--ft-warm-restart", "--ft-preload", "json,preload_misbehaves",
+                       # the modules each cycle's worker finds are the preloads alone
+                       "--no-ft-preload-learn",
                        "--workers-stop-timeout", "5", *entry, "--flag", "x y")
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           cwd=cwd, timeout=120)
@@ -291,8 +296,9 @@ for _ in range(1200):
 def test_dead_standby_is_replaced_and_none_survives_launcher_sigkill(tmp_path, run_dir):
     script = tmp_path / "heartbeats.py"
     script.write_text(HEARTBEATS)
+    # Without learned preloads: their replacements of the standbys would race the kill.
     cmd = launcher_cmd(run_dir, "--nproc-per-node", "2", "--ft-warm-restart",
-                       "--ft-preload", "json", str(script))
+                       "--ft-preload", "json", "--no-ft-preload-learn", str(script))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT)
     try:
         first = wait_for(lambda: sorted(_spares(run_dir), key=lambda e: e["local_rank"])
@@ -361,8 +367,11 @@ for _ in range(2400):
 def test_zygote_forks_standbys_fast_and_refills_them_after_each_restart(tmp_path, run_dir):
     script = tmp_path / "kill_me.py"
     script.write_text(KILL_ME)
+    # Without learned preloads, the spares followed here are the refills alone (standbys
+    # replaced after learning: test_learned_preloads.py).
     cmd = launcher_cmd(run_dir, "--nproc-per-node", "2", "--max-restarts", "2",
-                       "--ft-warm-restart", "--ft-preload", "json", str(script))
+                       "--ft-warm-restart", "--ft-preload", "json", "--no-ft-preload-learn",
+                       str(script))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT)
     try:
         zygote = wait_for(lambda: named(events(run_dir), "zygote_ready"), 60, "the zygote")
@@ -539,9 +548,10 @@ def test_a_full_pool_costs_no_wake_up_and_a_standbys_news_wakes_the_loop(tmp_pat
 
     script = tmp_path / "train.py"
     script.write_text("pass\n")
+    # Learned preloads add a few looks after each activation (test_learned_preloads.py).
     cfg = LaunchConfig(entrypoint=[sys.executable, "-u", str(script)], script_args=[],
                        nproc_per_node=2, run_dir=tmp_path / "run", monitor_interval=0.1,
-                       ft=FaultToleranceConfig(preload=["json"]))
+                       ft=FaultToleranceConfig(preload=["json"], preload_learn=False))
     now = [100.0]
     woken = threading.Event()
     pool = StandbyPool(cfg, tmp_path / "standby", lambda name, **f: None, wake=woken.set,
@@ -769,7 +779,7 @@ def test_standby_worker_imports_nothing_heavy():
                          cwd=ROOT, timeout=30, check=True).stdout
     assert out.strip().split(",") == [
         "ft_launcher", "ft_launcher.warm", "ft_launcher.warm.worker_side",
-        "ft_launcher.warm.worker_side.activation"]
+        "ft_launcher.warm.worker_side.activation", "ft_launcher.warm.worker_side.learning"]
 
 
 ADOPTION = '''

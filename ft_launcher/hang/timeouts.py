@@ -30,7 +30,7 @@ from typing import Any
 from ft_agent import config as agent_config
 from ft_agent import protocol
 from ft_launcher.config import FaultToleranceConfig
-from ft_launcher.rundir import write_json_atomic
+from ft_launcher.rundir import read_json_object, write_json_atomic
 
 log = logging.getLogger("ft_launcher")
 
@@ -173,7 +173,8 @@ def load_state(path: Path) -> TimeoutState:
 def save_state(path: Path, state: TimeoutState) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(path, state.to_json())
+        # Other keys are other writers' (the learned preloads): kept as they are.
+        write_json_atomic(path, {**read_json_object(path), **state.to_json()})
     except OSError as exc:
         log.warning("cannot write state file %s: %s", path, exc)
 

@@ -123,7 +123,36 @@ def build_report(run_dir: Path, events: list[dict[str, Any]] | None = None) -> d
                     and isinstance(e.get("straggler_section"), str)), "compute")
     return {"run_dir": str(run_dir), "intervals": intervals, "cycles": cycles,
             "ledger": ledger_of(events).summary(), "summary": summary,
-            "speeds": {"section": section, "rows": speed_table(events, section)}}
+            "speeds": {"section": section, "rows": speed_table(events, section)},
+            "preloads": preload_rows(events)}
+
+
+def preload_rows(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the zygotes learned (packages, modules, import seconds) and refused, with why.
+    A requeued job's import of what an earlier one learned (``from_state``) adds packages
+    only: its modules were counted once already."""
+    learned = [e for e in events if e.get("event") == "preload_learned"]
+    packages = sorted({m for e in learned for m in e.get("modules") or [] if isinstance(m, str)})
+    new = [e for e in learned if not e.get("from_state")]
+    return {"packages": packages,
+            "modules": sum(e.get("count") or 0 for e in new),
+            "import_s": round(sum(e.get("import_s") or 0.0 for e in new), 3),
+            "cpu_s": round(sum(e.get("cpu_s") or 0.0 for e in new), 3),
+            "refused": {str(e.get("module")): str(e.get("reason"))
+                        for e in events if e.get("event") == "preload_refused"}}
+
+
+def preload_lines(preloads: dict[str, Any] | None) -> list[str]:
+    """The report's preload lines: nothing when nothing was learned or refused."""
+    if not preloads or not (preloads["packages"] or preloads["refused"]):
+        return []
+    lines = [""]
+    if preloads["packages"]:
+        lines.append(f"Preloads learned: {', '.join(preloads['packages'])} "
+                     f"({preloads['modules']} modules, imported in {preloads['import_s']:.3f} s, "
+                     f"{preloads['cpu_s']:.3f} s of CPU)")
+    lines += [f"Preload refused: {name} ({reason})" for name, reason in preloads["refused"].items()]
+    return lines
 
 
 def _fmt(value: Any) -> str:
@@ -219,6 +248,7 @@ def render_text(report: dict[str, Any]) -> str:
                         [[_fmt(r.get(k)) for k in ("cycle", "rank", "host", "count",
                                                      "median_s", "score", "speed")]
                          + ["yes" if r["straggler"] else ""] for r in speeds["rows"]])
+    lines += preload_lines(report.get("preloads"))
     s = report["summary"]
     if s:
         lines += ["", f"Exit {s['exit_code']}: {s['reason']} ({s['restarts']} restarts); "

@@ -25,6 +25,12 @@ Where standbys come from:
   subreaper (``PR_SET_CHILD_SUBREAPER``) and adopts each standby, so a worker made from one
   is the launcher's own child like a cold worker (exit status, SIGCHLD, PDEATHSIG relative
   to the launcher), and the zygote's death costs no worker anything.
+- **Learned preloads** (``learned_preloads.py``, ``--no-ft-preload-learn`` turns them off):
+  the workers made from forks record which installed modules their script imported; ``tick``
+  reads those lists when due and has the zygote fork a learner that imports them and takes
+  its place (``preload_learned``; a module that fails its checks: ``preload_refused``).
+  Standbys forked before are then replaced by forks of the new zygote once the cycle runs,
+  each old one serving until its replacement is ready (``upgrades``).
 - **Spawned standbys** (the fallback, after one ``zygote_fallback`` event saying why: the
   preloads started threads or a CUDA context, the launcher cannot adopt processes, or the
   zygote or its forks died): a fresh interpreter per local rank (``workers.spawn_process``)
@@ -86,6 +92,8 @@ from typing import Any
 from ft_launcher.config import LaunchConfig
 from ft_launcher.process.output import Sink
 from ft_launcher.process.workers import Worker, WorkerSpec
+from ft_launcher.rundir import PRIVATE_DIR, STATE_FILE
+from ft_launcher.warm.learned_preloads import PreloadLearning
 from ft_launcher.warm.standby_process import (
     ChildProcess,
     PythonEntry,
@@ -96,7 +104,7 @@ from ft_launcher.warm.standby_process import (
     reap_orphans,
     spawn_standby,
 )
-from ft_launcher.warm.zygote_link import StoreHosts, Zygote, ZygoteSide
+from ft_launcher.warm.zygote_link import LEARN_POLL_S, StoreHosts, Zygote, ZygoteSide
 
 log = logging.getLogger("ft_launcher")
 
@@ -135,10 +143,24 @@ class StandbyPool:
         # so the zygote imports at full priority from its start.
         self.warm_first_cycle = self.enabled and forks_expected(self.entry)
         self._first_cycle = True
+        # Standbys forked before the zygote learned more, being replaced: local rank -> fork.
+        self.upgrades: dict[int, Standby] = {}
+        self.learning = self._learning()
         if (self.enabled or self.stores_only) and self.entry is not None:
-            why = self.zygotes.start(self.entry, self.env, idle=not self.warm_first_cycle)
+            why = self.zygotes.start(self.entry, self.env, idle=not self.warm_first_cycle,
+                                     learn_dir=self.learning.directory if self.learning else None)
             if why is not None:
                 self._fallback(why)
+
+    def _learning(self) -> PreloadLearning | None:
+        """Learned preloads (``--ft-preload-learn``, on by default) for a forking pool."""
+        if not (self.warm_first_cycle and self.cfg.ft.preload_learn):
+            return None
+        run_dir = Path(self.cfg.run_dir).absolute()
+        ft = self.cfg.ft
+        return PreloadLearning(run_dir / PRIVATE_DIR, self.cfg.nproc_per_node,
+                               Path(ft.state_path) if ft.state_path else run_dir / STATE_FILE,
+                               self._preload(), self._emit, self.clock)
 
     @property
     def zygote(self) -> Zygote | None:
@@ -179,6 +201,11 @@ class StandbyPool:
             sb.cycle_sink = None
             return None
         del self.standbys[spec.local_rank]  # tick() forks its replacement (REFILL_DELAY_S)
+        upgrade = self.upgrades.pop(spec.local_rank, None)
+        if upgrade is not None:  # on its way already: the rank's next standby
+            self.standbys[spec.local_rank] = upgrade
+        if self.learning is not None:
+            self.learning.activated()
         return Worker(spec=spec, proc=sb.proc, started_at=time.time(),  # type: ignore[arg-type]
                       _pump=sb.pump, warm=True)
 
@@ -193,7 +220,7 @@ class StandbyPool:
         if not (self._first_cycle and self.warm_first_cycle and self.enabled
                 and zygote is not None):  # None: it fell back, or never started
             return False
-        if not zygote.ready:
+        if not zygote.ready or (self.learning is not None and self.learning.holds_first_cycle()):
             return True
         for local_rank in range(self.cfg.nproc_per_node):
             sb = self.standbys.get(local_rank)
@@ -230,13 +257,19 @@ class StandbyPool:
         running = training_started or since_start >= SPAWN_DELAY_S
         if self.zygote is not None:
             self._zygote_tick(running)
+        if self.learning is not None and self.zygotes.forking:
+            self.learning.tick(self.zygotes)
         self._check_standbys()
+        self._check_upgrades()
         if not self.enabled:
             return
-        if self.zygotes.forking and (training_started or since_start >= REFILL_DELAY_S):
+        holding = self.learning is not None and self.learning.holds_first_cycle()
+        if self.zygotes.forking and (training_started or since_start >= REFILL_DELAY_S) \
+                and not holding:
             for local_rank in range(self.cfg.nproc_per_node):
                 if local_rank not in self.standbys and self.zygotes.forking:
                     self._fork(local_rank)
+            self._upgrade()
         elif self.zygote is None and running:
             self._spawn_missing()
 
@@ -244,8 +277,9 @@ class StandbyPool:
         """SIGKILL every standby's process group, the store hosts and the zygote, and reap
         them. Every group is killed before the first wait, so their teardowns (tens of ms
         each for a process that holds torch) overlap instead of adding up at the job's end."""
-        standbys = list(self.standbys.values())
+        standbys = [*self.standbys.values(), *self.upgrades.values()]
         self.standbys.clear()
+        self.upgrades.clear()
         procs: list[subprocess.Popen | ChildProcess] = [
             sb.proc for sb in standbys if self._adopt(sb) and sb.proc is not None]
         for proc in procs:
@@ -287,15 +321,51 @@ class StandbyPool:
         if zygote is not None and running and not zygote.raised and self.enabled:
             zygote.raise_priority()
 
-    def _fork(self, local_rank: int) -> None:
-        """Ask the zygote for a standby of ``local_rank``."""
+    def _fork(self, local_rank: int, upgrade: bool = False) -> None:
+        """Ask the zygote for a standby of ``local_rank`` (``upgrade``: to replace one that
+        an older zygote forked, once it is ready)."""
         assert self.zygote is not None
         try:
             sb = self.zygote.request_fork(local_rank, self.log_dir)
         except OSError as exc:
             self._fallback(f"cannot reach the zygote: {exc}")
             return
-        self._start_pump(sb)
+        sb.generation = self.zygotes.generation
+        if upgrade:
+            sb.start_pump(self.wake)
+            self.upgrades[local_rank] = sb
+        else:
+            self._start_pump(sb)
+
+    def _upgrade(self) -> None:
+        """The zygote learned preloads since these ready standbys were forked: fork their
+        replacements (each old one serves until its replacement is ready)."""
+        for local_rank, sb in list(self.standbys.items()):
+            if sb.generation < self.zygotes.generation and sb.reported \
+                    and local_rank not in self.upgrades and self.zygotes.forking:
+                self._fork(local_rank, upgrade=True)
+
+    def _check_upgrades(self) -> None:
+        """A replacement that is ready takes its rank's place; the old standby goes."""
+        for local_rank, sb in list(self.upgrades.items()):
+            if not self.enabled or local_rank not in self.upgrades:
+                return
+            if sb.ready_at is not None or sb.told_pid is not None:
+                self._adopt(sb)
+            if sb.exited():  # the old one stays; counted as any standby's death
+                self._on_exit(sb, self.upgrades)
+            elif sb.failure:
+                self._fallback(sb.failure)
+            elif sb.ready_at is not None and sb.proc is not None:
+                del self.upgrades[local_rank]
+                old = self.standbys.get(local_rank)
+                self.standbys[local_rank] = sb
+                self._report_ready(sb)
+                if old is not None and old.proc is not None:  # reaped by a later tick
+                    kill_group(old.proc, wait=False)
+                    self.zygotes.retired.append(old.proc)
+                if old is not None:
+                    old.stdin.close()
 
     def _adopt(self, sb: Standby) -> bool:
         return sb.adopt(str(self.cfg.run_dir))
@@ -307,6 +377,8 @@ class StandbyPool:
                   if sb.forked and (sb.failure or not self._adopt(sb) or sb.ready_at is None)]
         for sb in forked:
             del self.standbys[sb.local_rank]
+        forked += self.upgrades.values()
+        self.upgrades.clear()
         self.zygotes.stop()
         self._emit("zygote_fallback", reason=reason, preload=self._preload())
         for sb in forked:
@@ -371,10 +443,12 @@ class StandbyPool:
         sb.reported = True
         self._early_deaths[sb.local_rank] = 0
         self.event("standby_ready", local_rank=sb.local_rank, pid=sb.pid,
-                   preload=self.cfg.ft.preload, **sb.ready_fields())
+                   preload=self.cfg.ft.preload, generation=sb.generation, **sb.ready_fields())
 
-    def _on_exit(self, sb: Standby) -> None:
-        del self.standbys[sb.local_rank]
+    def _on_exit(self, sb: Standby, pool: dict[int, Standby] | None = None) -> None:
+        """A standby (of ``pool``: the standbys, or the upgrades) exited: say so, and give up
+        on a local rank whose standbys keep dying before they are ready."""
+        del (self.standbys if pool is None else pool)[sb.local_rank]
         if sb.proc is not None:
             kill_group(sb.proc, wait=False)  # what it may have left in its group
         if sb.pump is not None:
@@ -410,10 +484,12 @@ class StandbyPool:
 class TickWants:
     """What the pool is waiting for, as far as its next ``tick`` goes."""
 
-    zygote_answer: bool  # the zygote's readiness or a store host: on its socket, polled
-    refill: bool  # a local rank lacks a standby, and the zygote forks them
+    zygote_answer: bool  # the zygote's readiness, a store host, a learner: polled
+    refill: bool  # a local rank lacks a standby (or has a stale one), and the zygote forks
     spawn: bool  # a local rank lacks a standby, to be spawned (no zygote; under the cap)
     raise_zygote: bool  # the zygote imports at idle priority until the cycle runs
+    scan_at: float | None = None  # when to read the workers' learned-preload lists
+    learner: bool = False  # a learner imports: its socket is polled, every LEARN_POLL_S
 
 
 def wants_of(pool: StandbyPool) -> TickWants:
@@ -421,12 +497,17 @@ def wants_of(pool: StandbyPool) -> TickWants:
     zygote = pool.zygote
     missing = pool.enabled and pool.entry is not None and \
         len(pool.standbys) < pool.cfg.nproc_per_node
+    stale = any(sb.generation < pool.zygotes.generation and local_rank not in pool.upgrades
+                for local_rank, sb in pool.standbys.items())
     starting = sum(1 for sb in pool.standbys.values() if sb.ready_at is None)
+    learning = pool.learning if pool.zygotes.forking else None
     return TickWants(
-        zygote_answer=zygote is not None and (not zygote.ready or pool.stores.requested),
-        refill=missing and pool.zygotes.forking,
+        zygote_answer=pool.zygotes.answer_due(),
+        refill=(missing or stale) and pool.zygotes.forking,
         spawn=missing and zygote is None and starting < pool.max_starting,
-        raise_zygote=pool.enabled and zygote is not None and not zygote.raised)
+        raise_zygote=pool.enabled and zygote is not None and not zygote.raised,
+        scan_at=learning.due() if learning is not None else None,
+        learner=pool.zygotes.learner is not None)
 
 
 def next_tick(wants: TickWants, now: float, cycle_start: float,
@@ -434,12 +515,14 @@ def next_tick(wants: TickWants, now: float, cycle_start: float,
     """When the pool's ``tick`` must run next at the latest (None: only on news).
 
     Only the zygote's socket is polled, every ``interval`` while an answer is due (its
-    import at start, a store host asked for at a cycle's start). The other steps have a
-    time: a refill ``REFILL_DELAY_S`` after the cycle started, spawned standbys and the
-    zygote's priority ``SPAWN_DELAY_S`` after it (the ranks' first heartbeats, which bring
-    them forward, wake the loop by themselves). A full pool waits for nothing: the loop
-    then sleeps as long as without warm restart. A step past its time that the last tick
-    could not take is retried every ``interval``, never in a busy loop."""
+    import at start, a store host asked for at a cycle's start), and a learner's, every
+    ``LEARN_POLL_S``. The other steps have a time: a refill ``REFILL_DELAY_S`` after the
+    cycle started, spawned standbys and the zygote's priority ``SPAWN_DELAY_S`` after it
+    (the ranks' first heartbeats, which bring them forward, wake the loop by themselves),
+    the looks at the workers' learned-preload lists at ``scan_at``. A full pool waits for
+    nothing: the loop then sleeps as long as without warm restart. A step past its time
+    that the last tick could not take is retried every ``interval``, never in a busy
+    loop."""
     due: list[float] = []
     if wants.zygote_answer:
         due.append(now + interval)
@@ -447,6 +530,10 @@ def next_tick(wants: TickWants, now: float, cycle_start: float,
         due.append(cycle_start + REFILL_DELAY_S)
     if wants.spawn or wants.raise_zygote:
         due.append(cycle_start + SPAWN_DELAY_S)
+    if wants.scan_at is not None:
+        due.append(wants.scan_at)
+    if wants.learner:
+        due.append(now + max(interval, LEARN_POLL_S))
     if not due:
         return None
     first = min(due)

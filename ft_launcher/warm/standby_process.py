@@ -76,6 +76,7 @@ class Standby:
     threads: int | None = None
     failure: str | None = None  # "module: error" when a preload failed
     reported: bool = False
+    generation: int = 0  # of the zygote that forked it (ZygoteSide.generation)
     pump: OutputPump | None = field(default=None, repr=False)
 
     def start_pump(self, wake: Callable[[], None] | None = None) -> None:

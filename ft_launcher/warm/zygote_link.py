@@ -1,6 +1,8 @@
 """The launcher's end of the warm-restart zygote (``worker_side/zygote.py``): starting it,
-its control socket (messages in, fork and store requests out), and the TCPStore hosts it
-forks for the cycles (see ``standby_pool.py`` for when each is used)."""
+its control socket (messages in, fork, store and learn requests out), the TCPStore hosts it
+forks for the cycles, and its learners, which replace it once they imported the learned
+preloads (see ``standby_pool.py`` for when each is used, ``learned_preloads.py`` for
+which modules are learned)."""
 
 from __future__ import annotations
 
@@ -39,21 +41,24 @@ ZYGOTE_BOOTSTRAP = "from ft_launcher.warm.worker_side.zygote import main; main()
 class Zygote:
     """The zygote's process, control socket and output pump."""
 
-    proc: subprocess.Popen
+    proc: subprocess.Popen | ChildProcess  # a learner that took over is an adopted child
     ctl: socket.socket
-    pump: OutputPump
+    pump: OutputPump  # its output's; a learner that takes over writes to the same pipe
     started_at: float
     ready: bool = False
     raised: bool = False  # back to normal scheduling (it starts under SCHED_IDLE)
 
     @classmethod
     def spawn(cls, entry: PythonEntry, run_dir: Path, preload: list[str],
-              env: dict[str, str], log_dir: Path, idle: bool) -> Zygote:
-        """Start the zygote (``idle``: under ``SCHED_IDLE``); OSError when it cannot."""
+              env: dict[str, str], log_dir: Path, idle: bool,
+              learn_dir: Path | None = None) -> Zygote:
+        """Start the zygote (``idle``: under ``SCHED_IDLE``; ``learn_dir``: where its
+        standbys' workers record their imports); OSError when it cannot."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         argv = [*entry.interpreter, "-c", ZYGOTE_BOOTSTRAP, secrets.token_hex(8),
                 str(run_dir.absolute()), entry.sys_path0(), ",".join(preload),
-                str(os.getpid()), "idle" if idle else "normal"]
+                str(os.getpid()), "idle" if idle else "normal",
+                str(learn_dir) if learn_dir is not None else ""]
         log_dir.mkdir(parents=True, exist_ok=True)
         sink = Sink(open_log(log_dir / "zygote.log"), None, label="zygote")
         try:
@@ -77,17 +82,7 @@ class Zygote:
 
     def messages(self) -> tuple[list[str], bool]:
         """Packets waiting on the control socket, and whether the zygote closed it."""
-        out: list[str] = []
-        while True:
-            try:
-                data = self.ctl.recv(4096)
-            except BlockingIOError:
-                return out, False
-            except OSError:
-                return out, True
-            if not data:
-                return out, True
-            out.append(data.decode(errors="replace"))
+        return read_packets(self.ctl)
 
     def request_fork(self, local_rank: int, log_dir: Path) -> Standby:
         """Ask for a standby of ``local_rank``; its pipes travel with the request (OSError:
@@ -118,6 +113,52 @@ class Zygote:
         self.ctl.close()
         kill_group(self.proc)
         self.pump.join(timeout=2.0)
+
+
+def read_packets(ctl: socket.socket) -> tuple[list[str], bool]:
+    """Packets waiting on a non-blocking control socket, and whether the peer closed it."""
+    out: list[str] = []
+    while True:
+        try:
+            data = ctl.recv(4096)
+        except BlockingIOError:
+            return out, False
+        except OSError:
+            return out, True
+        if not data:
+            return out, True
+        out.append(data.decode(errors="replace"))
+
+
+LEARN_STALL_S = 60.0  # one module's import, at most, before the learner is given up
+# How often a learner's socket is polled: nothing waits for its answer, so the launcher
+# need not wake every --monitor-interval for it.
+LEARN_POLL_S = 0.5
+
+
+@dataclass
+class LearnResult:
+    """How a round ended: ``refused`` (name or None, reason) when it failed, else how many
+    modules were imported, in how many seconds and CPU seconds; ``pid`` of the new zygote."""
+
+    refused: tuple[str | None, str] | None = None
+    imported: int = 0
+    import_s: float | None = None
+    cpu_s: float | None = None
+    pid: int | None = None
+
+
+@dataclass
+class Learner:
+    """A fork of the zygote importing a round of learned preloads; the next zygote if it
+    succeeds (``worker_side/zygote.py``)."""
+
+    ctl: socket.socket
+    started_at: float
+    last_news: float
+    proc: ChildProcess | None = None
+    importing: str | None = None
+    done: LearnResult | None = None  # what it learned, while it waits to take over
 
 
 @dataclass
@@ -209,8 +250,12 @@ class ZygoteSide:
         self.forking = False  # standbys come from the zygote (else: spawned)
         self.adopting = False  # this process is a child subreaper: it reaps adopted orphans
         self.stores = StoreHosts(run_dir)  # the cycles' TCPStore hosts (take_store)
+        self.learner: Learner | None = None
+        self.generation = 0  # how many learners took over: standbys of older ones are stale
+        self.retired: list[subprocess.Popen | ChildProcess] = []  # zygotes replaced, to reap
 
-    def start(self, entry: PythonEntry, env: dict[str, str], idle: bool) -> str | None:
+    def start(self, entry: PythonEntry, env: dict[str, str], idle: bool,
+              learn_dir: Path | None = None) -> str | None:
         """Become a subreaper and start the zygote; why not, when it cannot be done."""
         self.adopting = become_subreaper()
         if not self.adopting:
@@ -223,7 +268,7 @@ class ZygoteSide:
         env = {**run_dir_env(env, self.run_dir), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         try:
             self.zygote = Zygote.spawn(entry, self.run_dir, self.preload, env, self.log_dir,
-                                       idle=idle)
+                                       idle=idle, learn_dir=learn_dir)
         except OSError as exc:
             return f"cannot spawn the zygote: {exc}"
         return None
@@ -242,6 +287,11 @@ class ZygoteSide:
             return Verdict("fallback", f"the zygote exited (exit code {code})"
                            if code is not None else "the zygote closed its control socket")
         return None
+
+    def answer_due(self) -> bool:
+        """Whether the zygote owes an answer (polled): its readiness, a store host."""
+        zygote = self.zygote
+        return zygote is not None and (not zygote.ready or self.stores.requested)
 
     def _on_message(self, zygote: Zygote, message: str, enabled: bool,
                     event: Callable[..., Any]) -> Verdict | None:
@@ -269,10 +319,130 @@ class ZygoteSide:
 
     def stop(self) -> None:
         """The zygote is out: stop it; standbys are spawned from now on."""
+        self._drop_learner()
+        self._reap_retired(wait=True)  # first: they hold the zygote's output pipe too
         if self.zygote is not None:
             self.zygote.stop()
             self.zygote = None
         self.forking = False
+
+    # -- learning ------------------------------------------------------------------------
+
+    def can_learn(self) -> bool:
+        """A ready zygote that forks standbys, and no learner under way."""
+        return self.zygote is not None and self.zygote.ready and self.forking \
+            and self.learner is None
+
+    def start_learning(self, names: list[str]) -> str | None:
+        """Ask the zygote to fork a learner for ``names``; why not, when it cannot. The
+        names travel in an anonymous file (no size limit on a packet), the learner's own
+        control socket with them."""
+        assert self.zygote is not None
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        listing = os.memfd_create("ft-learn", os.MFD_CLOEXEC)
+        try:
+            os.write(listing, "".join(f"{n}\n" for n in names).encode())
+            os.lseek(listing, 0, os.SEEK_SET)
+            socket.send_fds(self.zygote.ctl, [b"learn"], [theirs.fileno(), listing])
+        except OSError as exc:
+            ours.close()
+            return f"cannot reach the zygote: {exc}"
+        finally:
+            theirs.close()
+            os.close(listing)
+        ours.setblocking(False)
+        now = time.monotonic()
+        self.learner = Learner(ours, now, now)
+        return None
+
+    def learner_tick(self, now: float) -> LearnResult | None:
+        """Act on the learner's messages; the round's result once it is over (a learner
+        that succeeded has taken over as the zygote by then)."""
+        if self.retired:
+            self._reap_retired()
+        learner = self.learner
+        if learner is None:
+            return None
+        messages, closed = read_packets(learner.ctl)
+        for message in messages:
+            result = self._on_learner_message(learner, message, now)
+            if result is not None:
+                return result
+        if learner.done is not None:
+            return self._take_over(learner)
+        if closed or (learner.proc is not None and learner.proc.poll() is not None):
+            code = learner.proc.returncode if learner.proc is not None else None
+            return self._learner_failed(f"the learner exited (exit code {code}) while "
+                                        "importing it")
+        if now - learner.last_news > LEARN_STALL_S:
+            return self._learner_failed(f"its import took more than {LEARN_STALL_S:.0f} s")
+        return None
+
+    def _on_learner_message(self, learner: Learner, message: str,
+                            now: float) -> LearnResult | None:
+        kind, _, rest = message.partition(" ")
+        learner.last_news = now
+        if kind == "pid" and rest.isdigit() and learner.proc is None \
+                and parent_of(int(rest)) == os.getpid():
+            learner.proc = ChildProcess(int(rest))
+            GUARDIAN.register(learner.proc.pid, str(self.run_dir))
+        elif kind == "importing":
+            learner.importing = rest
+        elif kind == "refused":
+            name, _, reason = rest.partition(" ")
+            self._drop_learner()
+            return LearnResult(refused=(name, reason))
+        elif kind == "learned" and learner.proc is not None:
+            fields = [*rest.split(), "", "", ""]
+            learner.done = LearnResult(imported=int(fields[0]) if fields[0].isdigit() else 0,
+                                       import_s=float_or_none(fields[1]),
+                                       cpu_s=float_or_none(fields[2]), pid=learner.proc.pid)
+        else:
+            log.warning("learner: %s", message[:200])
+        return None
+
+    def _learner_failed(self, reason: str) -> LearnResult:
+        learner = self.learner
+        assert learner is not None
+        name = learner.importing
+        self._drop_learner()
+        return LearnResult(refused=(name, reason))
+
+    def _take_over(self, learner: Learner) -> LearnResult | None:
+        """The learner becomes the zygote, once the old one owes no answer (a store host it
+        was asked for would otherwise be lost); the old one exits when its socket closes."""
+        old = self.zygote
+        if old is None or self.stores.requested:
+            return None
+        assert learner.proc is not None
+        self.learner = None
+        old.ctl.close()  # it forks what it was asked for before it reads the end, then exits
+        self.retired.append(old.proc)
+        self.zygote = Zygote(learner.proc, learner.ctl, old.pump, time.monotonic(),
+                             ready=True, raised=True)
+        self.generation += 1
+        self._reap_retired()
+        return learner.done
+
+    def _drop_learner(self) -> None:
+        learner, self.learner = self.learner, None
+        if learner is None:
+            return
+        learner.ctl.close()
+        if learner.proc is not None:
+            kill_group(learner.proc, wait=False)
+            self.retired.append(learner.proc)
+        self._reap_retired()
+
+    def _reap_retired(self, wait: bool = False) -> None:
+        """Reap the replaced zygotes and given-up learners that exited (``wait``: kill and
+        reap them all)."""
+        for proc in self.retired:
+            if wait:
+                kill_group(proc)
+            elif proc.poll() is not None:
+                GUARDIAN.unregister(proc.pid)
+        self.retired = [p for p in self.retired if p.returncode is None]
 
     def take_store(self) -> tuple[int, int] | None:
         """The spare store host, now the current one, as (port, pid); asks for the next.
@@ -299,7 +469,13 @@ class ZygoteSide:
         """SIGKILL the zygote and the store hosts without waiting; what to reap, and the
         zygote's pump to join (``StandbyPool.close``)."""
         self.stores.end_current()
-        procs: list[subprocess.Popen | ChildProcess] = list(self.stores.processes())
+        learner, self.learner = self.learner, None
+        if learner is not None:
+            learner.ctl.close()
+        procs: list[subprocess.Popen | ChildProcess] = [
+            *self.stores.processes(), *self.retired,
+            *([learner.proc] if learner is not None and learner.proc is not None else [])]
+        self.retired = []
         zygote, self.zygote = self.zygote, None
         if zygote is not None:
             zygote.ctl.close()

@@ -29,7 +29,9 @@ freshly started ``python -u script.py`` (or ``-m module``) and runs the script a
   that re-executes itself with it starts the script, not a standby); this package and
   whatever the zygote imported after the preloads leave ``sys.modules`` first;
 - an uncaught exception prints its traceback (from the script's first frame) and exits 1,
-  ``SystemExit`` and ``KeyboardInterrupt`` behave as in any interpreter.
+  ``SystemExit`` and ``KeyboardInterrupt`` behave as in any interpreter;
+- with learned preloads on (a forked standby the zygote gave a directory), a thread notes
+  for 90 s which installed modules the script imports (``learning.Recorder``).
 
 Lines that start with ``@@ft-standby NONCE`` on stdout are messages to the launcher, which
 keeps them out of every log; everything else a preload prints goes to the standby log.
@@ -56,6 +58,8 @@ import builtins
 import os
 import sys
 import time
+
+from ft_launcher.warm.worker_side import learning
 
 EXIT_PRELOAD_FAILED = 3
 
@@ -152,7 +156,7 @@ def _new_main() -> dict:
     return vars(main)
 
 
-def _run_path(script: str, args: list[str]) -> None:
+def _run_path(script: str, args: list[str], before) -> None:
     from importlib.machinery import SourceFileLoader  # loaded by every interpreter
 
     path = os.path.abspath(script)
@@ -170,15 +174,17 @@ def _run_path(script: str, args: list[str]) -> None:
                         __loader__=SourceFileLoader("__main__", path))
     # dont_inherit: this module's compiler flags must not leak into the script.
     code = compile(source, path, "exec", dont_inherit=True)
+    before()
     exec(code, main_globals)
 
 
-def _run_module(module: str, args: list[str]) -> None:
+def _run_module(module: str, args: list[str], before) -> None:
     import runpy  # what ``python -m`` imports too
 
     sys.argv = ["-m", *args]
     sys.path[0] = os.getcwd()
     _new_main()
+    before()
     # The function the interpreter itself calls for ``python -m``: it runs the module in
     # sys.modules["__main__"] and sets sys.argv[0] to its file.
     runpy._run_module_as_main(module, alter_argv=True)
@@ -272,8 +278,23 @@ def restore_thread_count(before: dict[str, str | None]) -> None:
         pass
 
 
+def _recorder(record: tuple[str, int] | None):
+    """What starts the learned-preloads recorder right before the script runs (from then
+    on, what ``sys.modules`` gains is the script's): nothing without ``record``."""
+    if record is None:
+        return lambda: None
+
+    def start() -> None:
+        # The user's code: the script's directory (sys.path[0], as just set) and the
+        # working directory.
+        learning.Recorder(record[0], record[1], [sys.path[0], os.getcwd()]).start()
+
+    return start
+
+
 def _become_worker(nonce: str, fields: list[bytes], handlers: dict[int, object],
-                   mask: set[int], forget: set[str]) -> None:
+                   mask: set[int], forget: set[str],
+                   record: tuple[str, int] | None = None) -> None:
     text = [os.fsdecode(f) for f in fields]
     cwd, mode, target, nargs = text[0], text[1], text[2], int(text[3])
     args, env = text[4:4 + nargs], text[4 + nargs:]
@@ -295,7 +316,7 @@ def _become_worker(nonce: str, fields: list[bytes], handlers: dict[int, object],
     _forget_modules(forget)
     run = _run_module if mode == "module" else _run_path
     try:
-        run(target, args)
+        run(target, args, _recorder(record))
     except (SystemExit, KeyboardInterrupt):
         raise  # the interpreter's own handling: exit code, or death by SIGINT
     except BaseException as exc:  # noqa: BLE001 - an uncaught exception in the script
@@ -306,18 +327,20 @@ def _become_worker(nonce: str, fields: list[bytes], handlers: dict[int, object],
 
 
 def serve(nonce: str, handlers: dict[int, object], mask: set[int], started: float,
-          forget: frozenset[str] | set[str] = frozenset()) -> None:
+          forget: frozenset[str] | set[str] = frozenset(),
+          record: tuple[str, int] | None = None) -> None:
     """Tell the launcher this standby is ready, wait for the record, run the script.
 
     The ready message carries the seconds since ``started`` and the thread count. Returns
     when the script returns; exits 0 when the launcher closes stdin without a record.
+    ``record``: (directory, local rank) for the learned-preloads recorder (``learning``).
     """
     threads = len(os.listdir("/proc/self/task"))
     say(nonce, f"ready {time.monotonic() - started:.3f} {threads}")
     fields = _read_record()
     if fields is None:  # the launcher closed the pool
         sys.exit(0)
-    _become_worker(nonce, fields, handlers, mask, set(forget))
+    _become_worker(nonce, fields, handlers, mask, set(forget), record)
 
 
 def main() -> None:

@@ -3,7 +3,7 @@
 The launcher (``ft_launcher.warm.zygote_link``) starts this at its own start as
 
     python -u -c "from ft_launcher.warm.worker_side.zygote import main; main()" \\
-        NONCE RUN_DIR SYS_PATH0 PRELOAD LAUNCHER_PID PRIORITY
+        NONCE RUN_DIR SYS_PATH0 PRELOAD LAUNCHER_PID PRIORITY LEARN_DIR
 
 with the interpreter and flags of a cold worker, in its own session, PDEATHSIG set (it dies
 with the launcher), stdout and stderr a pipe to the launcher's zygote log and fd 0 a
@@ -28,6 +28,23 @@ PDEATHSIG (relative to the launcher, its parent now), checks its parent is the l
 moves the pipes to fds 0, 1 and 2 and serves (``activation.serve``): ready in milliseconds,
 with every imported page shared copy-on-write with the zygote and its siblings.
 
+Learned preloads (LEARN_DIR: the run's private directory, or empty when learning is off):
+each standby's worker records the installed modules its script imported there
+(``learning.Recorder``). The launcher reads and checks those names and sends
+``learn`` with two descriptors: a new control socket and a file of names. The zygote forks
+a learner (adopted by the launcher like a standby) that says ``pid PID``, imports the names
+at normal priority, saying ``importing NAME`` before each, and then either
+``learned COUNT IMPORT_S CPU_S`` and serves the new socket as the next zygote, or
+``refused NAME REASON`` and exits. The zygote itself imports nothing it was not started
+with, so a module that starts a thread, initialises CUDA, fails or hangs spoils only the
+learner: the zygote goes on forking, and the launcher tries again without that module.
+(Probing each module in a throw-away fork first would import everything twice, on cores
+the training is using.) The learner keeps the zygote's normal priority: a nice value
+could not be undone without privileges, and every standby it forks would inherit it;
+SCHED_IDLE would starve while the ranks keep every core busy. On busy cores the imports
+cost the training the same CPU time at any weight; at normal weight they are done soonest,
+before the first fault of a job more often.
+
 The zygote exits when the launcher closes the socket; it dies with the launcher.
 """
 
@@ -35,7 +52,7 @@ import os
 import sys
 import time
 
-from ft_launcher.warm.worker_side import activation
+from ft_launcher.warm.worker_side import activation, learning
 
 EXIT_UNSAFE = 4
 _PR_SET_PDEATHSIG = 1
@@ -51,26 +68,26 @@ def _threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-def unsafe_reason() -> str | None:
+def unsafe_reason(who: str = "the preloads", where: str = "the zygote") -> str | None:
     """Why forking this process now would not be safe, or None when it is."""
     threads = _threads()
     if threads > 1:
         threading = sys.modules.get("threading")
         python = f", {threading.active_count()} of them Python threads" if threading else ""
-        return f"the preloads started threads ({threads} threads in the zygote{python})"
+        return f"{who} started threads ({threads} threads in {where}{python})"
     torch = sys.modules.get("torch")
     cuda = getattr(torch, "cuda", None)
     if cuda is not None and getattr(cuda, "is_initialized", lambda: False)():
-        return "the preloads initialised CUDA (torch.cuda.is_initialized())"
+        return f"{who} initialised CUDA (torch.cuda.is_initialized())"
     try:
         with open("/proc/self/maps") as f:
             if any("libcuda.so" in line for line in f):
-                return "the preloads loaded the CUDA driver (libcuda.so is mapped)"
+                return f"{who} loaded the CUDA driver (libcuda.so is mapped)"
     except OSError:
         pass
     gpu = activation.gpu_files()
     if gpu:
-        return f"the preloads opened a GPU device ({gpu[0]})"
+        return f"{who} opened a GPU device ({gpu[0]})"
     return None
 
 
@@ -138,7 +155,8 @@ def _fork_for_launcher(ctl, launcher: int, what: str) -> bool:
 
 
 def _become_standby(ctl, nonce: str, fds: list[int], requested: float,
-                    signals: tuple[dict[int, object], set[int]], forget: set[str]) -> None:
+                    signals: tuple[dict[int, object], set[int]], forget: set[str],
+                    record: tuple[str, int] | None) -> None:
     """In the adopted grandchild: take the pipes, serve. Never returns: it exits as the
     script makes the interpreter exit (SystemExit travels up through main(), so atexit
     handlers and thread joins run as in any interpreter)."""
@@ -154,15 +172,15 @@ def _become_standby(ctl, nonce: str, fds: list[int], requested: float,
     if numpy_random is not None:  # a fresh process seeds it itself (Python's random reseeds
         numpy_random.seed()  # at fork on its own)
     handlers, mask = signals
-    activation.serve(nonce, handlers, mask, requested, forget)
+    activation.serve(nonce, handlers, mask, requested, forget, record)
     sys.exit(0)  # the script returned
 
 
-def _fork_standby(ctl, parts: list[str], fds: list[int], launcher: int,
-                  signals: tuple[dict[int, object], set[int]], forget: set[str]) -> None:
+def _fork_standby(ctl, parts: list[str], fds: list[int], zygote: "_State") -> None:
     requested = time.monotonic()
-    if _fork_for_launcher(ctl, launcher, parts[1]):
-        _become_standby(ctl, parts[2], fds, requested, signals, forget)
+    record = (zygote.learn_dir, int(parts[1])) if zygote.learn_dir else None
+    if _fork_for_launcher(ctl, zygote.launcher, parts[1]):
+        _become_standby(ctl, parts[2], fds, requested, zygote.signals, zygote.forget, record)
     for fd in fds:
         os.close(fd)
 
@@ -193,16 +211,56 @@ def _host_store(ctl, addr: str, port: int, launcher: int) -> None:
         time.sleep(3600)
 
 
-def _handle(ctl, request: str, fds: list[int], launcher: int,
-            signals: tuple[dict[int, object], set[int]], forget: set[str]) -> None:
+class _State:
+    """What the zygote serves with; a learner that succeeds serves on with its own."""
+
+    def __init__(self, ctl, launcher: int, signals: tuple[dict[int, object], set[int]],
+                 forget: set[str], learn_dir: str) -> None:
+        self.ctl, self.launcher, self.signals = ctl, launcher, signals
+        self.forget, self.learn_dir = forget, learn_dir
+
+
+def _learn(zygote: _State, fds: list[int]) -> None:
+    """Fork a learner (see the module docstring); in the learner, ``zygote`` becomes its
+    state once it learned, else the learner exits."""
+    if not _fork_for_launcher(zygote.ctl, zygote.launcher, "learn"):
+        for fd in fds:
+            os.close(fd)
+        return
+    import _socket  # noqa: PLC0415 - loaded since start-up (the control socket)
+
+    zygote.ctl.close()  # the zygote's socket: its requests are not the learner's
+    ctl = _socket.socket(fileno=fds[0])
+    names = learning.read_names(fds[1])
+    os.close(fds[1])
+    _send(ctl, f"pid {os.getpid()}")
+    started, cpu = time.monotonic(), time.process_time()
+    imported, forget, refused = learning.learn(
+        names, zygote.forget, lambda: unsafe_reason("its import", "the learner"),
+        lambda name: _send(ctl, f"importing {name}"))
+    if refused is not None:
+        _send(ctl, f"refused {refused[0]} {refused[1]}")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    _send(ctl, f"learned {imported} {time.monotonic() - started:.3f} "
+               f"{time.process_time() - cpu:.3f}")
+    zygote.ctl, zygote.forget = ctl, forget
+
+
+def _handle(zygote: _State, request: str, fds: list[int]) -> None:
     parts = request.split()
-    if len(parts) == 3 and parts[0] == "fork" and len(fds) == 2:
-        _fork_standby(ctl, parts, fds, launcher, signals, forget)
+    ctl = zygote.ctl
+    if len(parts) == 3 and parts[0] == "fork" and parts[1].isdigit() and len(fds) == 2:
+        _fork_standby(ctl, parts, fds, zygote)
+        return
+    if parts == ["learn"] and len(fds) == 2:
+        _learn(zygote, fds)
         return
     for fd in fds:
         os.close(fd)
     if len(parts) == 3 and parts[0] == "store" and parts[2].isdigit():
-        _host_store(ctl, parts[1], int(parts[2]), launcher)
+        _host_store(ctl, parts[1], int(parts[2]), zygote.launcher)
     else:
         _send(ctl, f"bad request {request[:80]!r} with {len(fds)} descriptors")
 
@@ -210,6 +268,7 @@ def _handle(ctl, request: str, fds: list[int], launcher: int,
 def main() -> None:
     """Entry point of the zygote (see the module docstring)."""
     _nonce, _run_dir, path0, preload, launcher, priority = sys.argv[1:7]
+    learn_dir = sys.argv[7] if len(sys.argv) > 7 else ""
     started = time.monotonic()
     signals = activation.initial_signals()
     ctl_fd = os.dup(0)
@@ -234,8 +293,9 @@ def main() -> None:
         _send(ctl, f"unsafe {reason}")
         sys.exit(EXIT_UNSAFE)
     _send(ctl, f"ready {time.monotonic() - started:.3f} {_threads()}")
+    zygote = _State(ctl, int(launcher), signals, forget, learn_dir)
     while True:
-        got = _recv_request(ctl)
+        got = _recv_request(zygote.ctl)
         if got is None:
             sys.exit(0)
-        _handle(ctl, got[0], got[1], int(launcher), signals, forget)
+        _handle(zygote, got[0], got[1])
