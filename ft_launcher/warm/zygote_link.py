@@ -154,8 +154,7 @@ class Learner:
     succeeds (``worker_side/zygote.py``)."""
 
     ctl: socket.socket
-    started_at: float
-    last_news: float
+    last_news: float  # its last message (a stall is judged from it)
     proc: ChildProcess | None = None
     importing: str | None = None
     done: LearnResult | None = None  # what it learned, while it waits to take over
@@ -351,8 +350,7 @@ class ZygoteSide:
             theirs.close()
             os.close(listing)
         ours.setblocking(False)
-        now = time.monotonic()
-        self.learner = Learner(ours, now, now)
+        self.learner = Learner(ours, time.monotonic())
         return None
 
     def learner_tick(self, now: float) -> LearnResult | None:
