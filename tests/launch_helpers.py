@@ -18,6 +18,11 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 EXAMPLES = ROOT / "examples"
 LAUNCHER = [sys.executable, "-m", "ft_launcher.cli"]
+# The zygote's preloads, chosen by the test. By default (warm restart on) the zygote imports
+# torch and torch._dynamo, about 3.5 s of CPU, and the first cycle waits for it. A test whose
+# script imports no torch and that is not about the defaults passes NO_PRELOADS: its workers
+# are still forks of the zygote (warm), which imports nothing.
+NO_PRELOADS = ("--ft-preload", "")
 
 
 def launcher_cmd(run_dir: Path, *args: str) -> list[str]:

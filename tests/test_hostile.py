@@ -18,6 +18,7 @@ import psutil
 import pytest
 import zmq
 from launch_helpers import (
+    NO_PRELOADS,
     ROOT,
     SCRIPTS,
     events,
@@ -35,7 +36,8 @@ IO_CASES = str(SCRIPTS / "io_cases.py")
 
 def _start(run_dir: Path, *args: str, env: dict[str, str] | None = None,
            prefix: list[str] | None = None) -> subprocess.Popen:
-    return subprocess.Popen([*(prefix or []), *launcher_cmd(run_dir, *args)],
+    """A launcher of io_cases.py, which imports no torch: the zygote preloads nothing."""
+    return subprocess.Popen([*(prefix or []), *launcher_cmd(run_dir, *NO_PRELOADS, *args)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=ROOT, env={**os.environ, **(env or {})})
 

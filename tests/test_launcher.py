@@ -14,6 +14,7 @@ import psutil
 import pytest
 from launch_helpers import (
     EXAMPLES,
+    NO_PRELOADS,
     ROOT,
     SCRIPTS,
     events,
@@ -36,7 +37,7 @@ TORCHRUN_VARS = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_
 
 
 def test_clean_run_exits_0_with_torchrun_environment(run_dir):
-    res = run_launcher(run_dir, "--nproc-per-node", "2", "--rdzv-id", "job42",
+    res = run_launcher(run_dir, *NO_PRELOADS, "--nproc-per-node", "2", "--rdzv-id", "job42",
                        str(SCRIPTS / "env_dump.py"), "--flag", "x y")
     assert res.returncode == 0, res.stdout
     assert "[rank1]: rank 1 says hello" in res.stdout
@@ -104,7 +105,7 @@ def test_killed_worker_restarts_and_resumes_from_checkpoint(run_dir):
 
 
 def test_restarts_exhausted_exits_1_and_keeps_worker_codes(run_dir):
-    res = run_launcher(run_dir, "--nproc-per-node", "2", "--max-restarts", "1",
+    res = run_launcher(run_dir, *NO_PRELOADS, "--nproc-per-node", "2", "--max-restarts", "1",
                        str(SCRIPTS / "env_dump.py"), env={"EXIT_CODE": "3"})
     assert res.returncode == 1, res.stdout
     s = summary(run_dir)
@@ -144,7 +145,7 @@ def _gone(pids):
                          ids=["sigint-running", "sigterm-one-sigstopped"])
 def test_signal_stops_every_worker_within_grace(run_dir, signum, stop_one):
     proc = subprocess.Popen(
-        launcher_cmd(run_dir, "--nproc-per-node", "2", "--term-timeout", "20",
+        launcher_cmd(run_dir, *NO_PRELOADS, "--nproc-per-node", "2", "--term-timeout", "20",
                      str(SCRIPTS / "sleeper.py")),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
     try:
@@ -169,7 +170,7 @@ def test_signal_stops_every_worker_within_grace(run_dir, signum, stop_one):
 
 def test_worker_ignoring_sigterm_is_killed_after_term_timeout(run_dir):
     proc = subprocess.Popen(
-        launcher_cmd(run_dir, "--nproc-per-node", "2", "--term-timeout", "1.5",
+        launcher_cmd(run_dir, *NO_PRELOADS, "--nproc-per-node", "2", "--term-timeout", "1.5",
                      str(SCRIPTS / "sleeper.py"), "ignore-term"),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
     try:
@@ -188,7 +189,7 @@ def test_worker_ignoring_sigterm_is_killed_after_term_timeout(run_dir):
 
 
 def test_sigkill_of_launcher_leaves_no_worker(run_dir):
-    proc = subprocess.Popen(launcher_cmd(run_dir, "--nproc-per-node", "2",
+    proc = subprocess.Popen(launcher_cmd(run_dir, *NO_PRELOADS, "--nproc-per-node", "2",
                                          str(SCRIPTS / "sleeper.py")),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
     pids = _worker_pids(run_dir)
@@ -320,7 +321,7 @@ def test_sigusr1_waits_for_each_ranks_handler(run_dir):
     they import) must not kill them by its default action: each rank gets it once it has
     installed a handler, and the job goes on."""
     proc = subprocess.Popen(
-        launcher_cmd(run_dir, "--nproc-per-node", "2", "--max-restarts", "0",
+        launcher_cmd(run_dir, *NO_PRELOADS, "--nproc-per-node", "2", "--max-restarts", "0",
                      str(SCRIPTS / "usr1_late.py")),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
     try:
@@ -373,7 +374,7 @@ def test_handles_signal_reads_the_process_own_dispositions():
 def test_a_rank_that_traps_sigterm_but_keeps_working_does_not_hold_the_restart(run_dir):
     """--workers-stop-timeout is grace for a rank that shuts down, not for one that carries
     on: a rank still heartbeating half a second after SIGTERM is killed at once."""
-    res = run_launcher(run_dir, "--nproc-per-node", "2", "--max-restarts", "1",
+    res = run_launcher(run_dir, *NO_PRELOADS, "--nproc-per-node", "2", "--max-restarts", "1",
                        "--workers-stop-timeout", "30",
                        "--ft-simulated-fault", "rank_killed:base_delay=1,rank=1",
                        str(SCRIPTS / "sigterm_trapper.py"), timeout=120)
@@ -395,7 +396,7 @@ def test_no_progress_in_the_checkpoint_iteration_file_stops_with_18(run_dir, tmp
     exit 18 after --ft-max-no-progress-cycles 2 such cycles, not a requeue. When the file
     advances each cycle the job is not stopped for it: the restarts run out instead."""
     ckpt = tmp_path / "latest_checkpointed_iteration.txt"
-    res = run_launcher(run_dir, "--nproc-per-node", "1", "--max-restarts", "3",
+    res = run_launcher(run_dir, *NO_PRELOADS, "--nproc-per-node", "1", "--max-restarts", "3",
                        "--ft-max-no-progress-cycles", "2",
                        "--ft-checkpoint-iteration-file", str(ckpt),
                        str(SCRIPTS / "ckpt_file_crash.py"), str(ckpt), mode, timeout=120)

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from launch_helpers import NO_PRELOADS
 
 from ft_launcher.observe.ledger import Ledger, ledger_of
 from ft_launcher.observe.status import StatusTimer, status_line
@@ -363,7 +364,7 @@ def test_ledger_figures_match_what_the_training_measured(tmp_path: Path, run_dir
     Needs the supervisor's progress events (report_progress / report_checkpoint)."""
     marks = tmp_path / "marks.jsonl"
     proc = subprocess.run(
-        [sys.executable, "-m", "ft_launcher.cli", "--ft-run-dir", str(run_dir),
+        [sys.executable, "-m", "ft_launcher.cli", "--ft-run-dir", str(run_dir), *NO_PRELOADS,
          "--nproc-per-node", "2", "--max-restarts", "1", "--workers-stop-timeout", "2",
          "--ft-status-interval", "1",
          str(SCRIPT), "--marks", str(marks), "--steps", "60", "--ckpt-step", "20",

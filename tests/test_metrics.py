@@ -12,6 +12,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from launch_helpers import NO_PRELOADS
 from prometheus_client.parser import text_string_to_metric_families
 from test_ledger import T0, Stream, killed_then_finished
 
@@ -162,7 +163,7 @@ def test_scrape_during_run(tmp_path: Path, run_dir: Path):
     supervisor's wiring of --ft-metrics-port (MetricsExporter, observe per event)."""
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ft_launcher.cli", "--ft-run-dir", str(run_dir),
+        [sys.executable, "-m", "ft_launcher.cli", "--ft-run-dir", str(run_dir), *NO_PRELOADS,
          "--nproc-per-node", "2", "--max-restarts", "1", "--workers-stop-timeout", "2",
          "--ft-metrics-port", str(port), str(SCRIPT), "--marks", str(tmp_path / "marks"),
          "--steps", "100", "--ckpt-step", "20", "--kill-after", "1.0"],

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import nvidia_resiliency_ext.fault_tolerance as nvrx
 import pytest
-from launch_helpers import SCRIPTS, events, named, run_launcher, summary
+from launch_helpers import NO_PRELOADS, SCRIPTS, events, named, run_launcher, summary
 
 import ft_agent as ft
 from ft_agent import nvrx_types
@@ -193,7 +193,7 @@ def test_control_request_readiness_and_nvrx_flags(tmp_path, run_dir):
     """No torch: NVRx's flags and YAML, the not-ready error, a WorkloadControlRequest."""
     cfg = tmp_path / "fault_tol_cfg_heartbeats.yaml"
     cfg.write_text(HB_YAML + "    workload_check_interval: 5.0\n")
-    res = run_launcher(run_dir, "--nproc-per-node", "2", "--ft-cfg-path", str(cfg),
+    res = run_launcher(run_dir, *NO_PRELOADS, "--nproc-per-node", "2", "--ft-cfg-path", str(cfg),
                        "--ft-restart-policy", "any-failed", "--ft-enable-nic-monitor", "false",
                        "--ft-param-safety_factor", "4", str(SCRIPTS / "nvrx_control.py"),
                        str(tmp_path), "exclude", timeout=90)

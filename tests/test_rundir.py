@@ -17,7 +17,15 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from launch_helpers import ROOT, SCRIPTS, events, launcher_cmd, mounted_tmpfs, named
+from launch_helpers import (
+    NO_PRELOADS,
+    ROOT,
+    SCRIPTS,
+    events,
+    launcher_cmd,
+    mounted_tmpfs,
+    named,
+)
 
 from ft_launcher.rundir import RunDir, RunDirError, read_events
 
@@ -96,7 +104,7 @@ def test_a_second_launcher_on_the_same_run_dir_stops_naming_the_holder(run_dir: 
     try:
         with pytest.raises(RunDirError, match=rf"in use by another launcher \(pid {os.getpid()}\)"):
             RunDir(run_dir)
-        res = launch(run_dir, "--nproc-per-node", "1", IO_CASES, "exit_code", "0")
+        res = launch(run_dir, *NO_PRELOADS, "--nproc-per-node", "1", IO_CASES, "exit_code", "0")
         assert res.returncode == 1
         assert f"in use by another launcher (pid {os.getpid()})" in res.stderr
         assert "Traceback" not in res.stderr
@@ -118,7 +126,7 @@ def test_a_reused_run_dir_is_a_new_attempt(run_dir: Path):
 
 def test_a_finished_run_dir_reused_by_the_launcher_records_attempt_2(run_dir: Path):
     for _ in range(2):
-        res = launch(run_dir, "--nproc-per-node", "1", IO_CASES, "exit_code", "0")
+        res = launch(run_dir, *NO_PRELOADS, "--nproc-per-node", "1", IO_CASES, "exit_code", "0")
         assert res.returncode == 0, res.stderr[-2000:]
     started = named(events(run_dir), "launcher_started")
     assert [e["attempt"] for e in started] == [1, 2]
@@ -157,7 +165,7 @@ def test_a_symlinked_events_file_is_never_followed(run_dir: Path, tmp_path: Path
     target.write_text("keep me\n")
     run_dir.mkdir()
     (run_dir / "events.jsonl").symlink_to(target)
-    res = launch(run_dir, "--nproc-per-node", "1", IO_CASES, "exit_code", "0")
+    res = launch(run_dir, *NO_PRELOADS, "--nproc-per-node", "1", IO_CASES, "exit_code", "0")
     assert res.returncode == 1 and "Traceback" not in res.stderr
     assert "events.jsonl" not in res.stderr or "run directory" in res.stderr
     assert target.read_text() == "keep me\n"
@@ -168,7 +176,7 @@ def test_a_symlinked_rank_log_is_never_followed(run_dir: Path, tmp_path: Path):
     target.write_text("keep me\n")
     (run_dir / "logs" / "cycle_0").mkdir(parents=True)
     (run_dir / "logs" / "cycle_0" / "rank_0.log").symlink_to(target)
-    res = launch(run_dir, "--nproc-per-node", "1", IO_CASES, "exit_code", "0")
+    res = launch(run_dir, *NO_PRELOADS, "--nproc-per-node", "1", IO_CASES, "exit_code", "0")
     assert res.returncode != 0
     assert target.read_text() == "keep me\n"
 
@@ -185,7 +193,7 @@ def test_a_run_dir_made_by_another_user_is_refused(shared_dir: Path):
         as_other("mkdir", "-m", "0755", str(run))
         as_other("mkdir", "-m", "0700", str(run / "ipc"))
         as_other("ln", "-s", str(precious), str(run / "events.jsonl"))
-        res = launch(run, "--nproc-per-node", "1", IO_CASES, "exit_code", "0")
+        res = launch(run, *NO_PRELOADS, "--nproc-per-node", "1", IO_CASES, "exit_code", "0")
         assert res.returncode == 1, res.stderr[-2000:]
         assert f"is owned by {OTHER_USER}" in res.stderr and "Traceback" not in res.stderr
         assert precious.read_text() == "root only\n"
@@ -222,7 +230,7 @@ def test_cjk_run_dir(run_dir: Path):
     run = run_dir / ("运" * room)
     sock = run / "ipc" / "monitor.sock"
     assert len(str(sock)) < 100 and len(os.fsencode(sock)) > 107
-    res = launch(run, "--nproc-per-node", "1", IO_CASES, "exit_code", "0")
+    res = launch(run, *NO_PRELOADS, "--nproc-per-node", "1", IO_CASES, "exit_code", "0")
     assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr[-2000:]
     assert json.loads((run / "summary.json").read_text())["exit_code"] == 0
 
@@ -290,7 +298,8 @@ def test_summary_that_cannot_be_written_goes_to_stderr(small_tmpfs: Path, capsys
 def test_a_full_log_disk_does_not_kill_training(small_tmpfs: Path, run_dir: Path):
     """--log-dir on a 1 MiB tmpfs, a worker printing 8 MB: it keeps running and exits 0
     (its pipe never closed), the drop is reported once, the job ends with exit 0."""
-    res = launch(run_dir, "--log-dir", str(small_tmpfs / "logs"), "--nproc-per-node", "1",
+    res = launch(run_dir, *NO_PRELOADS, "--log-dir", str(small_tmpfs / "logs"),
+                 "--nproc-per-node", "1",
                  "--redirects", "3", IO_CASES, "chatty", "2.5")
     assert res.returncode == 0, res.stderr[-3000:]
     exits = named(events(run_dir), "worker_exited")
@@ -305,8 +314,8 @@ def test_a_full_run_dir_disk_keeps_the_exit_code_and_prints_the_summary(small_tm
     launcher exits 0, and the summary is on disk or, if it cannot be, on stderr."""
     run = small_tmpfs / "run"
     # The disk fills up during the run (the start-up health check would refuse 1 MiB).
-    res = launch(run, "--nproc-per-node", "1", "--redirects", "3", "--ft-min-free-space", "0",
-                 IO_CASES, "chatty", "2.5")
+    res = launch(run, *NO_PRELOADS, "--nproc-per-node", "1", "--redirects", "3",
+                 "--ft-min-free-space", "0", IO_CASES, "chatty", "2.5")
     assert res.returncode == 0, res.stderr[-3000:]
     assert "Traceback" not in res.stderr
     if (run / "summary.json").exists():
@@ -324,8 +333,8 @@ def test_a_run_dir_disk_filled_by_a_rank_keeps_room_for_the_record(tmpfs_2m: Pat
     stops first (output_dropped, in events.jsonl, and the bytes in worker_exited), every
     event after it is still written, and summary.json is on disk with the exit code."""
     run = tmpfs_2m / "run"
-    res = launch(run, "--nproc-per-node", "1", "--redirects", "3", "--ft-min-free-space", "0",
-                 IO_CASES, "chatty", "2.5")
+    res = launch(run, *NO_PRELOADS, "--nproc-per-node", "1", "--redirects", "3",
+                 "--ft-min-free-space", "0", IO_CASES, "chatty", "2.5")
     assert res.returncode == 0, res.stderr[-3000:]
     assert (run / "summary.json").exists(), res.stderr[-3000:]
     summary = json.loads((run / "summary.json").read_text())

@@ -2,7 +2,8 @@
 
 Real launchers, real workers, real signals. rank_killed and rank_hung run the real DDP
 example (gloo) and must be recovered from its checkpoint; random and rank_exit run a small
-heartbeating worker (no torch), which is all they need and keeps the file fast.
+heartbeating worker (no torch: the zygote preloads nothing), which is all they need and keeps
+the file fast.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pytest
 from launch_helpers import (
     EXAMPLES,
     LAUNCHER,
+    NO_PRELOADS,
     ROOT,
     SCRIPTS,
     events,
@@ -315,7 +317,8 @@ def test_rank_hung_is_detected_and_recovered(run_dir: Path):
 def test_random_fault_is_seeded_and_recovered(run_dir: Path, worker: str):
     spec = "random:base_delay=1.5,rand_delay=1,seed=11"
     expected = faults.arm(faults.parse_fault(spec), 0, 2, "unused")
-    proc = run_launcher(run_dir, "--nproc-per-node", "2", "--max-restarts", "1", *FAST_STOP,
+    proc = run_launcher(run_dir, *NO_PRELOADS, "--nproc-per-node", "2", *FAST_STOP,
+                        "--max-restarts", "1",
                         "--ft-rank-heartbeat-timeout", "2", "--ft-simulated-fault", spec,
                         worker, "5", timeout=60)
     assert proc.returncode == 0, proc.stdout[-3000:]
@@ -336,7 +339,8 @@ def test_random_fault_is_seeded_and_recovered(run_dir: Path, worker: str):
 def test_rank_exit_16_rotates_devices_then_requeues_elsewhere(run_dir: Path, worker: str):
     # Cycle 0: a 16 with two local devices is resolved here, on rotated devices.
     # Cycle 1: no device left to rotate to, so the launcher exits 16 and excludes this host.
-    proc = run_launcher(run_dir, "--nproc-per-node", "2", "--max-restarts", "3", *FAST_STOP,
+    proc = run_launcher(run_dir, *NO_PRELOADS, "--nproc-per-node", "2", *FAST_STOP,
+                        "--max-restarts", "3",
                         "--ft-simulated-fault", "rank_exit:code=16,base_delay=1,rank=1,"
                         "cycles=0-1", worker, "30", timeout=60)
     assert proc.returncode == 16, proc.stdout[-3000:]
@@ -359,7 +363,8 @@ def test_rank_exit_16_rotates_devices_then_requeues_elsewhere(run_dir: Path, wor
 
 
 def test_rank_exit_16_with_one_local_rank_requeues_elsewhere(run_dir: Path, worker: str):
-    proc = run_launcher(run_dir, "--nproc-per-node", "1", "--max-restarts", "3", *FAST_STOP,
+    proc = run_launcher(run_dir, *NO_PRELOADS, "--nproc-per-node", "1", *FAST_STOP,
+                        "--max-restarts", "3",
                         "--ft-simulated-fault", "rank_exit:code=16,base_delay=0.5",
                         worker, "30", timeout=60)
     assert proc.returncode == 16, proc.stdout[-3000:]
@@ -370,7 +375,8 @@ def test_rank_exit_16_with_one_local_rank_requeues_elsewhere(run_dir: Path, work
 
 
 def test_rank_exit_17_without_diagnosis_stops(run_dir: Path, worker: str):
-    proc = run_launcher(run_dir, "--nproc-per-node", "2", "--max-restarts", "3", *FAST_STOP,
+    proc = run_launcher(run_dir, *NO_PRELOADS, "--nproc-per-node", "2", *FAST_STOP,
+                        "--max-restarts", "3",
                         "--ft-simulated-fault", "rank_exit:code=17,base_delay=0.5,rank=0",
                         worker, "30", timeout=60)
     assert proc.returncode == 17, proc.stdout[-3000:]
@@ -390,7 +396,8 @@ PLAIN = str(SCRIPTS / "plain_loop.py")
 
 
 def test_a_plain_script_is_hit_base_delay_after_its_spawn_and_restarts(run_dir: Path):
-    proc = run_launcher(run_dir, "--nproc-per-node", "2", "--max-restarts", "1", *FAST_STOP,
+    proc = run_launcher(run_dir, *NO_PRELOADS, "--nproc-per-node", "2", *FAST_STOP,
+                        "--max-restarts", "1",
                         "--ft-simulated-fault", "rank_killed:base_delay=3,rank=1",
                         PLAIN, "60", "1", timeout=90)
     assert proc.returncode == 0, proc.stdout[-3000:]
@@ -411,7 +418,8 @@ def test_a_plain_script_is_hit_base_delay_after_its_spawn_and_restarts(run_dir: 
 
 
 def test_a_job_that_ends_before_its_fault_fired_says_so(run_dir: Path):
-    proc = run_launcher(run_dir, "--nproc-per-node", "2", "--max-restarts", "1", *FAST_STOP,
+    proc = run_launcher(run_dir, *NO_PRELOADS, "--nproc-per-node", "2", *FAST_STOP,
+                        "--max-restarts", "1",
                         "--ft-simulated-fault", "rank_killed:base_delay=60,rank=0",
                         PLAIN, "2", timeout=90)
     assert proc.returncode == 0, proc.stdout[-3000:]

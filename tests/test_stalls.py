@@ -14,7 +14,16 @@ import subprocess
 import time
 
 import pytest
-from launch_helpers import ROOT, SCRIPTS, events, launcher_cmd, named, run_launcher, wait_for
+from launch_helpers import (
+    NO_PRELOADS,
+    ROOT,
+    SCRIPTS,
+    events,
+    launcher_cmd,
+    named,
+    run_launcher,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 CASES = str(SCRIPTS / "monitor_cases.py")
@@ -25,7 +34,7 @@ RUNS = int(os.environ.get("FT_STALL_RUNS", "1"))  # scripts: FT_STALL_RUNS=20 fo
 def test_a_stopped_launcher_does_not_judge_a_rank_that_kept_heartbeating(run, tmp_path):
     run_dir = tmp_path / f"run{run}"
     proc = subprocess.Popen(
-        launcher_cmd(run_dir, "--nproc-per-node", "1", "--max-restarts", "0",
+        launcher_cmd(run_dir, *NO_PRELOADS, "--nproc-per-node", "1", "--max-restarts", "0",
                      "--ft-rank-heartbeat-timeout", "2", CASES, "steady"),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
         env={**os.environ, "STEADY_S": "9"})
@@ -48,7 +57,7 @@ def test_a_stopped_launcher_does_not_judge_a_rank_that_kept_heartbeating(run, tm
 
 
 def test_a_rank_behind_its_own_burst_is_not_judged(run_dir):
-    res = run_launcher(run_dir, "--nproc-per-node", "1", "--max-restarts", "0",
+    res = run_launcher(run_dir, *NO_PRELOADS, "--nproc-per-node", "1", "--max-restarts", "0",
                        "--ft-rank-heartbeat-timeout", "1", CASES, "burst")
     assert res.returncode == 0, res.stdout[-3000:]
     assert not named(events(run_dir), "hang_detected")

@@ -12,7 +12,7 @@ import signal
 
 import click
 import pytest
-from launch_helpers import SCRIPTS, run_launcher
+from launch_helpers import NO_PRELOADS, SCRIPTS, run_launcher
 
 from ft_launcher import torchrun_compat
 from ft_launcher.cli import launch_config_from_args
@@ -283,7 +283,7 @@ def _world_sizes(run_dir) -> dict[int, str]:
 
 def test_a_launcher_started_with_pet_variables_only_runs_their_world(tmp_path):
     run_dir = tmp_path / "run"
-    res = run_launcher(run_dir, str(SCRIPTS / "env_dump.py"),
+    res = run_launcher(run_dir, *NO_PRELOADS, str(SCRIPTS / "env_dump.py"),
                        env={"PET_NNODES": "1", "PET_NPROC_PER_NODE": "2"})
     assert res.returncode == 0, res.stdout[-3000:]
     assert _world_sizes(run_dir) == {0: "2", 1: "2"}
@@ -291,7 +291,8 @@ def test_a_launcher_started_with_pet_variables_only_runs_their_world(tmp_path):
 
 def test_a_flag_overrides_a_pet_variable_in_a_real_launch(tmp_path):
     run_dir = tmp_path / "run"
-    res = run_launcher(run_dir, "--nproc-per-node", "1", str(SCRIPTS / "env_dump.py"),
+    res = run_launcher(run_dir, *NO_PRELOADS, "--nproc-per-node", "1",
+                       str(SCRIPTS / "env_dump.py"),
                        env={"PET_NPROC_PER_NODE": "2", "PET_ROLE": "critic"})
     assert res.returncode == 0, res.stdout[-3000:]
     assert _world_sizes(run_dir) == {0: "1"}
