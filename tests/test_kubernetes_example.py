@@ -5,6 +5,7 @@ its failure rules map ft_launcher's exit codes to what policy.py decides for the
 from __future__ import annotations
 
 import copy
+import functools
 import re
 from pathlib import Path
 
@@ -46,8 +47,16 @@ def _strict(schema: dict) -> dict:
     return schema
 
 
+@functools.cache
+def _crd() -> dict:
+    """The CRD (800 KB of YAML), parsed once per process with libyaml where PyYAML has it;
+    the tests only read it."""
+    return yaml.load(CRD.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+
+
+@functools.cache
 def _schema(version: str) -> dict:
-    crd = yaml.safe_load(CRD.read_text())
+    crd = _crd()
     assert crd["spec"]["group"] == "jobset.x-k8s.io" and crd["spec"]["names"]["kind"] == "JobSet"
     found = [v for v in crd["spec"]["versions"] if v["name"] == version]
     assert found, f"{CRD} has no version {version}"
