@@ -123,7 +123,6 @@ SLOW_TESTS = {
     "test_calculated_timeouts_survive_a_restart_and_a_new_job",
     "test_python_sleep_hang_stack_names_the_function", "test_no_false_verdict_in_a_long_clean_run",
     "test_ft_report_shows_intervals_and_cycles",
-    "test_device_times_reach_the_detector_and_name_the_rank",
 }
 # The fast tier's end-to-end proof of a mechanism whose other cases are slow: warm restart
 # (a zygote forks the standbys and refills them after each restart) and the record's disk

@@ -5,7 +5,8 @@ The script (tests/scripts/straggler_train.py) logs every step's end time per ran
 N steps of onset" is counted in the slow rank's own steps between the launcher's
 ``fault_injected`` and ``straggler_detected`` events. The test ends the training (a stop
 file) once it has seen what it waits for, so a fast machine finishes fast; the bounds are
-generous because this machine is shared. Timing rules are in tests/test_straggler.py.
+generous because this machine is shared. Timing rules are in tests/test_straggler.py; the
+fast tier's end-to-end case of a slowed rank named by the detector is in test_rank_slow.py.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from launch_helpers import ROOT, SCRIPTS, events, launcher_cmd, named, summary
 
 from ft_launcher.stragglers.straggler import speed_table
 
-pytestmark = pytest.mark.timeout(240)
+# Every case runs a real job for tens of seconds: the slow tier.
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
 TRAIN = str(SCRIPTS / "straggler_train.py")
 # ~60 ms of pure-Python CPU per step on an idle core. rank_slow stretches the rank's own
@@ -142,7 +144,6 @@ def test_a_slow_rank_of_2_is_named_within_80_steps(run_dir: Path, tmp_path: Path
     assert {r["rank"] for r in rows if r["straggler"]} == {1}, rows
 
 
-@pytest.mark.slow
 def test_a_slow_rank_of_4_is_named_within_80_steps(run_dir: Path, tmp_path: Path):
     """Four ranks on two cores: the slow rank competes for the CPU with its peers."""
     out = tmp_path / "steps"
@@ -166,7 +167,6 @@ def slowed_steps(out: Path, evs: list[dict]) -> dict[int, list[float]]:
             for rank in (0, 1)}
 
 
-@pytest.mark.slow
 def test_a_transient_slowdown_is_reported_then_cleared(run_dir: Path, tmp_path: Path):
     """Also the options: a window of 10 and a threshold of 2 reach the detector."""
     out = tmp_path / "steps"
@@ -188,7 +188,6 @@ def test_a_transient_slowdown_is_reported_then_cleared(run_dir: Path, tmp_path: 
     assert cleared["score"] < 1.5  # below halfway back to 1
 
 
-@pytest.mark.slow
 def test_restart_action_restarts_the_group_away_from_the_slowdown(run_dir: Path,
                                                                   tmp_path: Path):
     """rank_slow fires in cycle 0 only: after the restart the job runs clean to the end."""
@@ -211,7 +210,6 @@ def test_restart_action_restarts_the_group_away_from_the_slowdown(run_dir: Path,
     assert len(steps(out, 1, cycle=1)) >= 30
 
 
-@pytest.mark.slow
 def test_exclude_action_requeues_without_the_stragglers_host(run_dir: Path, tmp_path: Path):
     out = tmp_path / "steps"
     proc, evs = train(run_dir, out, 2, "--max-restarts", "2", "--ft-straggler-action",
@@ -227,7 +225,6 @@ def test_exclude_action_requeues_without_the_stragglers_host(run_dir: Path, tmp_
     assert "straggler" in nxt["why"]
 
 
-@pytest.mark.slow
 def test_a_clean_run_of_8_ranks_reports_no_straggler(run_dir: Path, tmp_path: Path):
     """8 ranks on 2 shared cores for ~45 s of steps: noise, no straggler. The 5-minute run is
     scripts/straggler_soak.sh."""
@@ -260,7 +257,6 @@ def test_device_times_reach_the_detector_and_name_the_rank(run_dir: Path):
     assert detected[0]["median_s"] == pytest.approx(3 * detected[0]["reference_s"], rel=0.3)
 
 
-@pytest.mark.slow
 def test_the_default_threshold_names_a_2x_rank_of_2_and_nothing_else(run_dir: Path,
                                                                    tmp_path: Path):
     """The issue's case with every straggler option at its default (threshold 1.3, window

@@ -269,6 +269,9 @@ def status(pid: int) -> str:
     return psutil.Process(pid).status()
 
 
+# Seconds of real time each; the rule is exact on the fake clock above, and the fast tier's
+# end-to-end throttle is test_rank_slow.py's plain script.
+@pytest.mark.slow
 @pytest.mark.parametrize("factor, ranks", [(2.0, 2), (4.0, 2), (2.0, 4)])
 def test_a_throttled_busy_loop_runs_at_about_one_factor_th_of_its_peers(spawn, factor,
                                                                        ranks):
