@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from launch_helpers import (
     EXAMPLES,
+    NO_PRELOADS,
     ROOT,
     SCRIPTS,
     events,
@@ -86,8 +87,8 @@ def test_python_sleep_hang_stack_names_the_function(run_dir):
 
 
 def test_a_rank_stuck_after_its_goodbye_is_dumped_and_ended_and_the_job_succeeds(run_dir):
-    res = run_launcher(run_dir, "--nproc-per-node", "2", "--workers-exit-timeout", "3",
-                       CASES, "stuck_after_goodbye")
+    res = run_launcher(run_dir, *NO_PRELOADS, "--nproc-per-node", "2",
+                       "--workers-exit-timeout", "3", CASES, "stuck_after_goodbye")
     assert res.returncode == 0, res.stdout
     evs = events(run_dir)
     assert [e["ranks"] for e in named(evs, "exit_stuck")] == [[1]]
@@ -100,7 +101,7 @@ def test_a_rank_stuck_after_its_goodbye_is_dumped_and_ended_and_the_job_succeeds
 
 
 def test_hang_before_first_heartbeat_is_caught_by_initial_timeout(run_dir):
-    res = run_launcher(run_dir, "--nproc-per-node", "2", "--max-restarts", "1",
+    res = run_launcher(run_dir, *NO_PRELOADS, "--nproc-per-node", "2", "--max-restarts", "1",
                        "--ft-initial-rank-heartbeat-timeout", "4", CASES, "sleep_before_init")
     assert res.returncode == 0, res.stdout
     hang = named(events(run_dir), "hang_detected")[0]
@@ -112,7 +113,7 @@ def test_hang_before_first_heartbeat_is_caught_by_initial_timeout(run_dir):
 
 
 def test_section_overrun_is_caught_while_other_sections_are_fine(run_dir):
-    res = run_launcher(run_dir, "--nproc-per-node", "2", "--max-restarts", "1",
+    res = run_launcher(run_dir, *NO_PRELOADS, "--nproc-per-node", "2", "--max-restarts", "1",
                        "--ft-rank-section-timeouts", "fast:5,slow:1.5", CASES, "section_overrun")
     assert res.returncode == 0, res.stdout
     hangs = named(events(run_dir), "hang_detected")
@@ -123,7 +124,7 @@ def test_section_overrun_is_caught_while_other_sections_are_fine(run_dir):
 
 def test_calculated_timeouts_survive_a_restart_and_a_new_job(tmp_path, run_dir):
     state = tmp_path / "shared_state.json"
-    res = run_launcher(run_dir, "--nproc-per-node", "2", "--max-restarts", "1",
+    res = run_launcher(run_dir, *NO_PRELOADS, "--nproc-per-node", "2", "--max-restarts", "1",
                        "--ft-state-path", str(state), "--ft-safety-factor", "4",
                        "--ft-min-learned-timeout", "1", CASES, "calc")
     assert res.returncode == 0, res.stdout
@@ -141,8 +142,8 @@ def test_calculated_timeouts_survive_a_restart_and_a_new_job(tmp_path, run_dir):
     assert at_hello["rank_section_timeouts"]["step"] == 1.0
     # A later job pointed at the same state file starts with them too.
     run2 = tmp_path / "run2"
-    res = run_launcher(run2, "--nproc-per-node", "1", "--ft-state-path", str(state), CASES,
-                       "plain")
+    res = run_launcher(run2, *NO_PRELOADS, "--nproc-per-node", "1", "--ft-state-path",
+                       str(state), CASES, "plain")
     assert res.returncode == 0, res.stdout
     at_hello = json.loads((run2 / "hello_timeouts_cycle_0_rank_0.json").read_text())
     # With the default floor (60 s) a few fast steps never give a timeout that kills.
@@ -151,8 +152,8 @@ def test_calculated_timeouts_survive_a_restart_and_a_new_job(tmp_path, run_dir):
 
 
 def test_malformed_and_unauthenticated_messages_change_nothing(run_dir):
-    res = run_launcher(run_dir, "--nproc-per-node", "2", "--ft-rank-heartbeat-timeout", "2",
-                       CASES, "bad_messages")
+    res = run_launcher(run_dir, *NO_PRELOADS, "--nproc-per-node", "2",
+                       "--ft-rank-heartbeat-timeout", "2", CASES, "bad_messages")
     assert res.returncode == 0, res.stdout
     s = summary(run_dir)
     errors = s["protocol_errors"]
@@ -167,9 +168,10 @@ def test_malformed_and_unauthenticated_messages_change_nothing(run_dir):
 
 
 def test_no_false_verdict_in_a_long_clean_run(run_dir):
-    res = run_launcher(run_dir, "--nproc-per-node", "2", "--ft-rank-heartbeat-timeout", "1",
-                       "--ft-rank-section-timeouts", "step:1", "--ft-rank-out-of-section-timeout",
-                       "1", "--ft-initial-rank-heartbeat-timeout", "30", CASES, "clean_long")
+    res = run_launcher(run_dir, *NO_PRELOADS, "--nproc-per-node", "2",
+                       "--ft-rank-heartbeat-timeout", "1", "--ft-rank-section-timeouts", "step:1",
+                       "--ft-rank-out-of-section-timeout", "1",
+                       "--ft-initial-rank-heartbeat-timeout", "30", CASES, "clean_long")
     assert res.returncode == 0, res.stdout
     assert not named(events(run_dir), "hang_detected")
     stats = {(e["rank"], e["kind"]): e for e in named(events(run_dir), "interval_stats")}
@@ -180,7 +182,7 @@ def test_no_false_verdict_in_a_long_clean_run(run_dir):
 
 
 def test_ft_report_shows_intervals_and_cycles(run_dir):
-    res = run_launcher(run_dir, "--nproc-per-node", "2", "--max-restarts", "1",
+    res = run_launcher(run_dir, *NO_PRELOADS, "--nproc-per-node", "2", "--max-restarts", "1",
                        "--ft-rank-heartbeat-timeout", "1.5",
                        "--ft-simulated-fault", "rank_hung:base_delay=1,rank=1",
                        CASES, "clean_long")
@@ -216,14 +218,15 @@ def _wakeups(pid: int) -> int:
 def test_a_launcher_watching_busy_ranks_wakes_a_few_times_a_second(run_dir):
     """Two ranks heartbeat at 20 Hz: the launcher reads their messages in batches and has
     nothing to poll on one node, so it wakes about 4 times a second (it woke at least 10
-    times a second, every --monitor-interval, before). With the defaults: the ranks are
-    warm, and the standby pool, refilled (and replaced once the zygote learned the ranks'
-    imports, a one-off burst) before the count starts, costs no wake-up.
-    Voluntary switches only: preemption on a busy machine does not count."""
+    times a second, every --monitor-interval, before). With warm restart and learned
+    preloads on (the defaults; the zygote's preloads, which the launcher's loop never sees,
+    are left out): the ranks are warm, and the standby pool, refilled (and replaced once the
+    zygote learned the ranks' imports, a one-off burst) before the count starts, costs no
+    wake-up. Voluntary switches only: preemption on a busy machine does not count."""
     proc = subprocess.Popen(
-        launcher_cmd(run_dir, "--nproc-per-node", "2", CASES, "steady"), cwd=ROOT,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "STEADY_S": "13"})
+        launcher_cmd(run_dir, *NO_PRELOADS, "--nproc-per-node", "2", CASES, "steady"),
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "STEADY_S": "60"})
     try:
         wait_for(lambda: len(named(events(run_dir), "rank_connected")) == 2, 60,
                  "both ranks to connect")
@@ -234,6 +237,8 @@ def test_a_launcher_watching_busy_ranks_wakes_a_few_times_a_second(run_dir):
         time.sleep(4.0)
         per_s = (_wakeups(proc.pid) - before) / (time.monotonic() - t0)
     finally:
+        if run_dir.is_dir():
+            (run_dir / "stop").touch()  # the ranks stop heartbeating and exit 0
         out = finish(proc, 60)
     print(f"launcher: {per_s:.1f} wake-ups a second")
     assert proc.returncode == 0, out[-3000:]

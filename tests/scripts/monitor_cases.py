@@ -84,9 +84,9 @@ elif MODE == "bad_messages":
         client.send_heartbeat()
     beat(client, 30)
     sock.close()
-elif MODE == "steady":  # heartbeats at 20 Hz for STEADY_S seconds, whatever happens
+elif MODE == "steady":  # heartbeats at 20 Hz for STEADY_S seconds or until RUN/stop exists
     end = time.monotonic() + float(os.environ.get("STEADY_S", "12"))
-    while time.monotonic() < end:
+    while time.monotonic() < end and not (RUN / "stop").exists():
         time.sleep(0.05)
         client.send_heartbeat()
 elif MODE == "burst":  # a burst far beyond any queue, then steady heartbeats again
