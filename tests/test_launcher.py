@@ -17,6 +17,7 @@ from launch_helpers import (
     NO_PRELOADS,
     ROOT,
     SCRIPTS,
+    TORCH_PRELOAD,
     events,
     freeze,
     launcher_cmd,
@@ -224,7 +225,7 @@ def test_two_launchers_on_loopback_form_one_world_and_restart_together(tmp_path,
     """Two nodes through torch's c10d rendezvous; a worker failure on node B restarts both."""
     port = _free_port()
     out = tmp_path / "results"
-    common = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+    common = [*TORCH_PRELOAD, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "twonode",
               "--max-restarts", "3", "--monitor-interval", "0.2"]
     dirs = [run_dir / "node_a", run_dir / "node_b"]

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from launch_helpers import ROOT, SCRIPTS, events, launcher_cmd, named
+from launch_helpers import ROOT, SCRIPTS, TORCH_PRELOAD, events, launcher_cmd, named
 
 from ft_agent import simulated_fault
 from ft_agent.simulated_fault import SlowSections
@@ -135,7 +135,8 @@ def _slowed_run(tmp_path: Path, work: str, idle: str) -> dict:
     """rank_slow:factor=3 on rank 1 of 2, 2 s after training starts; the run stops 60 of
     rank 1's steps after the report (or at its cap). Returns the medians and the steps."""
     run_dir, out = tmp_path / "run", tmp_path / "out"
-    cmd = launcher_cmd(run_dir, "--nproc-per-node", "2", "--workers-stop-timeout", "5",
+    cmd = launcher_cmd(run_dir, *TORCH_PRELOAD, "--nproc-per-node", "2",
+                       "--workers-stop-timeout", "5",
                        "--ft-simulated-fault", "rank_slow:factor=3,rank=1,base_delay=2",
                        TRAIN, str(out), "--work", work, "--idle", idle, "--seconds", "25")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -229,11 +230,12 @@ def _plain_rows(out: Path, rank: int) -> list[list[float]]:
 
 def _throttled_run(tmp_path: Path, idle: float, steps: int = 150) -> dict:
     """rank_slow:factor=3 on rank 1 of 2 of a plain script (~10 ms of compute, then ``idle``
-    seconds of sleep), 6 s after spawn; ``steps`` steps after the onset, then the stop file.
-    Medians over the same steps of both ranks."""
+    seconds of sleep), 2 s after spawn (a warm fork is past its imports by then); ``steps``
+    steps after the onset, then the stop file. Medians over the same steps of both ranks."""
     run_dir, out = tmp_path / "run", tmp_path / "out"
-    cmd = launcher_cmd(run_dir, "--nproc-per-node", "2", "--workers-stop-timeout", "5",
-                       "--ft-simulated-fault", "rank_slow:factor=3,rank=1,base_delay=6",
+    cmd = launcher_cmd(run_dir, *TORCH_PRELOAD, "--nproc-per-node", "2",
+                       "--workers-stop-timeout", "5",
+                       "--ft-simulated-fault", "rank_slow:factor=3,rank=1,base_delay=2",
                        PLAIN, str(out), "--work", "175000", "--idle", str(idle), "--seconds", "40")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=ROOT, env={**os.environ})
