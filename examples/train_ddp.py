@@ -46,8 +46,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--fail-at-step", type=int, default=None,
                    help="rank --hang-rank exits 3 at this step (first cycle only)")
     p.add_argument("--snapshot-every", type=int, default=1,
-                   help="offer a snapshot every N steps (the launcher's "
-                        "--ft-snapshot-every decides which are taken)")
+                   help="offer a snapshot every N steps (the launcher's frequency, by "
+                        "default the one the ranks agree on, decides which are taken)")
     p.add_argument("--sections", action="store_true", help="time each step as a section")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",

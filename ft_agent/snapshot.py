@@ -1,13 +1,15 @@
-"""A node-local, double-buffered snapshot store for one rank's training state.
+"""A node-local snapshot store of three slots for one rank's training state.
 
-``SnapshotStore(directory).snapshot(state, iteration)`` blocks only while the state's tensors
-are copied into the older of two slot files (A/B), mapped into memory and kept mapped between
-snapshots (so the copy neither pays for fresh pages nor needs a second pass to write); a
-background thread then checksums that slot and, last, writes its commit record (write +
-rename). The slot's old commit record is removed before its first byte changes, so a writer
-killed at any point leaves the other slot whole and loadable. ``load`` / ``latest`` /
-``available_iterations`` read a directory back, checking every tensor's CRC32 and refusing a
-tensor that holds NaN/Inf where the writer saw none.
+``SnapshotStore(directory).snapshot(state, iteration, plan=...)`` blocks only while the
+state's tensors are copied into a slot file that keeps nothing the plan keeps
+(``ft_agent.snapshot_retention``: the world's pin, the copies at or above its floor, the
+newest), mapped into memory and kept mapped between snapshots (so the copy neither pays for
+fresh pages nor needs a second pass to write); a background thread then checksums that slot
+and, last, writes its commit record (write + rename). The slot's old commit record is
+removed before its first byte changes, so a writer killed at any point leaves the other
+slots whole and loadable. ``load`` / ``latest`` / ``available_iterations`` read a
+directory back, checking every tensor's CRC32 and refusing a tensor that holds NaN/Inf
+where the writer saw none.
 
 The directory must be the caller's own: a real directory (never followed through a symlink),
 owned by this uid, mode 0700; files in it are opened with O_NOFOLLOW and must be regular
@@ -44,18 +46,16 @@ from ft_agent.snapshot_format import (
     parse_header,
     parse_prefix,
 )
+from ft_agent.snapshot_retention import SLOTS, Plan, write_slot
 
 if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
 
-SLOTS = ("a", "b")
 DIR_MODE = 0o700
 FILE_MODE = 0o600
 _WRITE_CHUNK = 64 * 2**20
-# Map a slot's pages in at once rather than one fault per page on the first copy.
-_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 __all__ = [
     "Snapshot", "SnapshotError", "SnapshotStatus", "SnapshotStore", "SlotInfo", "WriteResult",
@@ -74,7 +74,10 @@ def commit_file(slot: str) -> str:
 @dataclass(frozen=True)
 class SnapshotStatus:
     """What ``snapshot()`` did: ``started`` (a background write is under way), or skipped
-    with ``reason`` "busy" (the previous write is still running) or "budget"."""
+    with ``reason`` "busy" (the previous write is still running), "budget", "held" (every
+    slot keeps a copy the plan keeps), "claim" (the slot's memory is being claimed in the
+    background) or "io". ``copy_s``: the part of ``blocking_s`` the copy took (not the
+    claim of a fresh slot's memory, which only a snapshot that waits pays)."""
 
     started: bool
     iteration: int
@@ -82,6 +85,7 @@ class SnapshotStatus:
     bytes: int
     blocking_s: float
     slot: str | None = None
+    copy_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,7 @@ class WriteResult:
     bytes: int
     seconds: float
     error: str | None = None
+    cpu_s: float = 0.0  # CPU time the write's thread used
 
 
 @dataclass
@@ -519,34 +524,52 @@ class SnapshotStore:
     """One rank's snapshots in ``directory`` (created 0700 if missing; refused if it is
     not this uid's, not 0700, or a symlink).
 
-    ``memory_budget`` (bytes, None = no limit) bounds what the store holds: both slot files
+    ``memory_budget`` (bytes, None = no limit) bounds what the store holds: its slot files
     (and, for a GPU state, one pinned host copy); a snapshot that would exceed it is skipped
-    with reason "budget". At most one write is in flight.
+    with reason "budget". At most one write is in flight. ``on_commit`` is called with each
+    write's ``WriteResult``, from the write's thread.
     """
 
     def __init__(self, directory: str | os.PathLike[str], *,
-                 memory_budget: int | None = None) -> None:
+                 memory_budget: int | None = None,
+                 on_commit: Callable[[WriteResult], None] | None = None) -> None:
         self.directory = Path(directory)
         self.memory_budget = memory_budget
+        self.on_commit = on_commit
         self._dir_fd = open_dir(directory, create=True)
         self._maps: dict[str, _Mapping] = {}
         self._pinned: list[torch.Tensor] = []
-        self._thread: threading.Thread | None = None
+        self._thread: threading.Thread | None = None  # the write, or the claim, in flight
+        self._claim_failed: tuple[str, int] | None = None
         self._last: WriteResult | None = None
         # slot -> (seq, iteration, file bytes) of its committed snapshot, or None
         self._slots: dict[str, tuple[int, int, int] | None] = {}
         for slot, c in _commits(self._dir_fd).items():
             self._slots[slot] = None if isinstance(c, SnapshotError) else (
                 c.seq, c.iteration, c.file_bytes)
+        # slot -> bytes its file holds (its memory is claimed); a missing file holds none
+        self._claimed: dict[str, int] = {}
+        for slot in SLOTS:
+            try:
+                st = os.stat(slot_file(slot), dir_fd=self._dir_fd, follow_symlinks=False)
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode) and st.st_size > 0:
+                self._claimed[slot] = st.st_size
 
     # public API -----------------------------------------------------------------------
 
-    def snapshot(self, state: Any, iteration: int, *, wait: bool = False) -> SnapshotStatus:
-        """Copy ``state``'s tensors into the older slot and check and commit it in the
-        background. If the previous write is still running: with ``wait`` wait for it,
-        else skip ("busy"). A slot file that cannot be made ready (a full tmpfs) is a skip
-        with reason "io". Raises ``SnapshotError('unsupported')`` for a state it cannot
-        hold (naming the path)."""
+    def snapshot(self, state: Any, iteration: int, *, wait: bool = False,
+                 plan: Plan | None = None, force: bool = False) -> SnapshotStatus:
+        """Copy ``state``'s tensors into a slot that keeps nothing ``plan`` keeps (None: only
+        the newest copy is kept) and check and commit it in the background. If the previous
+        write is still running: with ``wait`` wait for it, else skip ("busy"). With every
+        slot kept: skip ("held"), unless ``force`` (then the oldest copy but the pin and the
+        newest goes). A slot whose memory is not claimed yet (at the state's size) is
+        claimed in the background and the snapshot skipped ("claim"), unless ``wait``. A
+        slot file that cannot be made ready (a full tmpfs) is a skip with reason "io".
+        Raises ``SnapshotError('unsupported')`` for a state it cannot hold (naming the
+        path)."""
         start = time.perf_counter()
         if self._busy():
             if not wait:
@@ -561,29 +584,43 @@ class SnapshotStore:
         specs = [(fmt.DTYPE_NAMES[t.dtype], tuple(t.shape), n)
                  for t, n in zip(sources, sizes, strict=True)]
         head, placed, total = layout(iteration, tree, specs)
-        slot, other = self._target()
         pinned = sum(n for t, n in zip(sources, sizes, strict=True) if t.is_cuda)
-        if not self._fits(total + other + pinned):
+        slot = write_slot(self.held(), plan, claimed=self._claimed, force=force)
+        if slot is None:
+            return SnapshotStatus(False, iteration, "held", nbytes, time.perf_counter() - start)
+        others = sum(n for s, n in self._claimed.items() if s != slot)
+        if not self._fits(total + others + pinned):
             return SnapshotStatus(False, iteration, "budget", nbytes,
+                                  time.perf_counter() - start)
+        if not wait and not self._ready(slot, total):
+            return SnapshotStatus(False, iteration, self._claim_later(slot, total), nbytes,
                                   time.perf_counter() - start)
         seq = 1 + max((s[0] for s in self._slots.values() if s), default=0)
         self._slots[slot] = None  # from here until its commit, this slot holds nothing
+        fresh = slot not in self._maps
+        claim_start = time.perf_counter()
         try:
             self._unlink(commit_file(slot))
             whole = self._mapping(slot, total)
         except (OSError, SnapshotError) as e:
             log.warning("snapshot of iteration %d: slot %s not ready: %s", iteration, slot, e)
             return SnapshotStatus(False, iteration, "io", nbytes, time.perf_counter() - start)
+        claim_s = time.perf_counter() - claim_start if fresh else 0.0
         whole[:len(head)].copy_(_uint8(head))
         targets, staged = self._copy(sources, placed, whole)
         job = _Job(iteration, slot, seq, head, targets, staged, nbytes, total)
         self._thread = threading.Thread(target=self._write, args=(job,), daemon=True,
                                         name=f"ft-snapshot-{slot}")
         self._thread.start()
-        return SnapshotStatus(True, iteration, None, nbytes, time.perf_counter() - start, slot)
+        blocking = time.perf_counter() - start
+        return SnapshotStatus(True, iteration, None, nbytes, blocking, slot, blocking - claim_s)
+
+    def held(self) -> dict[str, int | None]:
+        """Each slot's committed iteration (None: empty or being written)."""
+        return {s: (held[1] if (held := self._slots.get(s)) else None) for s in SLOTS}
 
     def wait(self, timeout: float | None = None) -> WriteResult | None:
-        """Wait for the write in flight (if any); the last write's result."""
+        """Wait for the write (or claim) in flight, if any; the last write's result."""
         t = self._thread
         if t is not None:
             t.join(timeout)
@@ -634,12 +671,31 @@ class SnapshotStore:
     def _busy(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def _target(self) -> tuple[str, int]:
-        """The slot to write (an empty one, else the older) and the other's file size."""
-        a, b = self._slots["a"], self._slots["b"]
-        if a is None or (b is not None and a[0] < b[0]):
-            return "a", b[2] if b else 0
-        return "b", a[2] if a else 0
+    def _ready(self, slot: str, size: int) -> bool:
+        """Whether ``slot`` is mapped at ``size`` already (a copy into it claims nothing)."""
+        kept = self._maps.get(slot)
+        return kept is not None and len(kept.mm) == size
+
+    def _claim_later(self, slot: str, size: int) -> str:
+        """Start claiming ``slot``'s memory in the background; the skip's reason ("claim",
+        or "io" when the last claim of it failed). Claiming costs many times the copy, and
+        more while other processes claim theirs: never on the step. The next snapshot due
+        finds the slot ready."""
+        failed, self._claim_failed = self._claim_failed, None
+        if failed == (slot, size):
+            return "io"
+        self._thread = threading.Thread(target=self._claim, args=(slot, size), daemon=True,
+                                        name=f"ft-snapshot-claim-{slot}")
+        self._thread.start()
+        return "claim"
+
+    def _claim(self, slot: str, size: int) -> None:
+        """The background claim of a slot's memory (``snapshot`` waits for none)."""
+        try:
+            self._mapping(slot, size)
+        except (OSError, SnapshotError) as e:
+            log.warning("snapshot slot %s not ready: %s", slot, e)
+            self._claim_failed = (slot, size)
 
     def _mapping(self, slot: str, size: int) -> torch.Tensor:
         """The slot file's bytes, ``size`` long, mapped: the kept mapping when the file is
@@ -669,11 +725,17 @@ class SnapshotStore:
             # Every page allocated up front: on a full tmpfs this fails with ENOSPC, where a
             # store into a page of the mapping that tmpfs cannot back would raise SIGBUS.
             os.posix_fallocate(fd, 0, size)
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _MAP_POPULATE,
+            self._claimed[slot] = size
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED,
                            prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
         whole = torch.frombuffer(mm, dtype=torch.uint8)
+        # Map every page now (a read of one byte each, in torch: without the GIL), so the
+        # copy takes no page fault. Not MAP_POPULATE: it holds the process's memory-map
+        # lock for the whole claim, and the training thread's page faults and allocations
+        # wait for it (a 200 MB claim in the background stalled the step for all of it).
+        whole[::mmap.PAGESIZE].sum()
         self._maps[slot] = _Mapping(mm, whole, (st.st_dev, st.st_ino))
         return whole
 
@@ -711,32 +773,41 @@ class SnapshotStore:
         return targets, staged
 
     def _write(self, job: _Job) -> None:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         try:
             self._commit(job)
         except Exception as e:  # noqa: BLE001 - a failed write is reported, never raised
             kind = "io" if isinstance(e, OSError) else type(e).__name__
             self._last = WriteResult(job.iteration, job.slot, False, job.nbytes,
-                                     time.perf_counter() - start, f"{kind}: {e}")
+                                     time.perf_counter() - start, f"{kind}: {e}",
+                                     time.thread_time() - cpu)
             log.warning("snapshot of iteration %d to slot %s failed: %s",
                         job.iteration, job.slot, e)
-            return
-        self._slots[job.slot] = (job.seq, job.iteration, job.file_bytes)
-        self._last = WriteResult(job.iteration, job.slot, True, job.nbytes,
-                                 time.perf_counter() - start)
-        self._prepare_other(job)
+        else:
+            self._slots[job.slot] = (job.seq, job.iteration, job.file_bytes)
+            self._last = WriteResult(job.iteration, job.slot, True, job.nbytes,
+                                     time.perf_counter() - start, cpu_s=time.thread_time() - cpu)
+        if self.on_commit is not None:
+            try:
+                self.on_commit(self._last)
+            except Exception:  # noqa: BLE001 - the caller's callback must not end the write
+                log.exception("snapshot on_commit callback raised")
+        if self._last.ok:
+            self._prepare_another(job)
 
-    def _prepare_other(self, job: _Job) -> None:
-        """Claim and map the other slot now, when it holds nothing and is not mapped yet:
-        claiming a slot's pages costs many times the copy, so the step that first writes
-        there would otherwise wait for it. Runs in the write's thread, so no snapshot can
-        be choosing a slot meanwhile."""
-        other = "b" if job.slot == "a" else "a"
-        if self._slots[other] is not None or other in self._maps:
+    def _prepare_another(self, job: _Job) -> None:
+        """Claim and map a second slot now, when only one is: claiming a slot's pages costs
+        many times the copy, so the step that first writes there would otherwise wait for
+        it. The third is claimed when a write first needs it (a rank ahead of the world's
+        pin). Runs in the write's thread, so no snapshot can be choosing a slot
+        meanwhile."""
+        if len(self._claimed) >= 2:
             return
+        other = next((s for s in SLOTS if s not in self._claimed and s != job.slot), None)
         pinned = sum(b.numel() * b.element_size() for b in self._pinned)
-        if not self._fits(2 * job.file_bytes + pinned):
-            return  # the next snapshot will be skipped for its budget anyway
+        if other is None or not self._fits(sum(self._claimed.values()) + job.file_bytes
+                                           + pinned):
+            return  # a later snapshot will be skipped for its budget anyway
         try:
             self._mapping(other, job.file_bytes)
         except (OSError, SnapshotError) as e:

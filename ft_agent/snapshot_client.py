@@ -1,10 +1,16 @@
 """``RankMonitorClient.snapshot`` / ``restore``: the rank's side of in-memory snapshots.
 
-The launcher (``--ft-snapshot-every``) gives each rank, by environment, its snapshot
-directory (``FT_SNAPSHOT_DIR``), the frequency (``FT_SNAPSHOT_EVERY``: steps, or seconds
-with an ``s``), its memory budget in bytes (``FT_SNAPSHOT_MEMORY``) and the iteration it is
-to restore in this cycle (``FT_SNAPSHOT_ITERATION``, ``none`` when there is none). This
-module imports neither torch nor the store until a snapshot is taken or restored.
+The launcher gives each rank, by environment, its snapshot directory (``FT_SNAPSHOT_DIR``),
+the frequency (``FT_SNAPSHOT_EVERY``: ``auto``, the default, for the frequency the ranks
+agree on through the launcher; steps; or seconds with an ``s``), its memory budget in
+bytes (``FT_SNAPSHOT_MEMORY``), the iteration it is to restore in this cycle
+(``FT_SNAPSHOT_ITERATION``, ``none`` when there is none) and the plan file
+(``FT_SNAPSHOT_PLAN``) where the launcher says which copies every holder keeps and, with
+``auto``, which iterations are snapshot (``ft_agent.snapshot_retention``,
+``ft_agent.snapshot_frequency``). The rank reads the plan again when the file changes (one
+``os.stat`` per ``snapshot()`` call), and reports what it holds after each commit and what a
+snapshot costs it (``send_report("snapshot", ...)``). This module imports neither torch nor
+the store until a snapshot is taken or restored.
 """
 
 from __future__ import annotations
@@ -14,9 +20,13 @@ import json
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from ft_agent.snapshot_frequency import Grid, Meter
+from ft_agent.snapshot_retention import MAX_PLAN_BYTES, Plan, decode_plan
 
 log = logging.getLogger("ft_agent")
 
@@ -28,6 +38,9 @@ SKIP_REPORT_S = 10.0
 # the middle of torch's C++ code as the interpreter finalizes can abort the process, and
 # the write's snapshot is usually the newest there is.
 EXIT_WAIT_S = 10.0
+# A rank's measure goes to the launcher when it first has one, then at most this often.
+MEASURE_REPORT_S = 5.0
+AUTO = "auto"
 
 
 @dataclass(frozen=True)
@@ -72,20 +85,23 @@ class SnapshotSettings:
     """What the launcher said in the environment; ``settings_from_env`` reads it."""
 
     directory: str
-    frequency: Frequency
+    frequency: Frequency | None  # None: the frequency the launcher announces (auto)
     memory: int | None
     iteration: int | None  # to restore in this cycle
+    plan: str | None = None  # the plan file (None: no world; each copy but the newest goes)
 
 
 def settings_from_env(env: Mapping[str, str]) -> SnapshotSettings | None:
     """The rank's snapshot settings, or None when the launcher keeps no snapshots."""
     directory = env.get("FT_SNAPSHOT_DIR")
-    frequency = Frequency.parse(env.get("FT_SNAPSHOT_EVERY", ""))
-    if not directory or frequency is None:
+    every = env.get("FT_SNAPSHOT_EVERY", "").strip().lower()
+    frequency = None if every == AUTO else Frequency.parse(every)
+    if not directory or (frequency is None and every != AUTO):
         return None
     memory = _int_or_none(env.get("FT_SNAPSHOT_MEMORY", ""))
     return SnapshotSettings(directory, frequency, memory if memory else None,
-                            _int_or_none(env.get("FT_SNAPSHOT_ITERATION", "")))
+                            _int_or_none(env.get("FT_SNAPSHOT_ITERATION", "")),
+                            env.get("FT_SNAPSHOT_PLAN") or None)
 
 
 def _int_or_none(text: str) -> int | None:
@@ -96,16 +112,23 @@ def _int_or_none(text: str) -> int | None:
 
 
 class SnapshotAgent:
-    """One rank's snapshots: the store (created at the first snapshot), the frequency,
-    and the reports sent to the launcher through ``report(what, message)``."""
+    """One rank's snapshots: the store (created at the first snapshot), the frequency, the
+    plan, and the reports sent to the launcher through ``report(what, message)``."""
 
     def __init__(self, settings: SnapshotSettings, report: Any) -> None:
         self.settings = settings
         self.report = report
         self.store: Any = None  # ft_agent.snapshot.SnapshotStore
         self.last: tuple[int, float] | None = None
+        self.taken = 0  # snapshots this process started
+        self.at = -(2**62)  # the furthest iteration snapshot() was called with
         self.restored = False
         self.broken = False  # the directory was refused: no snapshots for this process
+        self.plan: Plan | None = Plan() if settings.plan else None
+        self._plan_seen: tuple[int, int, int] | None = None  # (inode, mtime, size) read
+        self.meter = Meter()
+        self._commit_cpu: deque[float] = deque()  # from the write's thread to the meter
+        self._measure_sent: float | None = None
         self._skips: dict[str, tuple[int, float]] = {}  # reason -> (count, last report)
         self._write_seen: Any = None
 
@@ -115,14 +138,21 @@ class SnapshotAgent:
         from ft_agent import snapshot as store  # noqa: PLC0415 - torch on first use only
 
         now, wall = time.monotonic(), time.time()  # the grid is the wall clock's: shared
-        if not at_once and not self.settings.frequency.due(iteration, wall, self.last):
+        self._read_plan()
+        self.at = max(self.at, iteration)
+        while self._commit_cpu:
+            self.meter.commit(self._commit_cpu.popleft())
+        self.meter.call(iteration, now, time.process_time())
+        self._send_measure(now)
+        if not at_once and not self._due(iteration, wall):
             return None
         if self.store is None:
             if self.broken:
                 return None
             try:
                 self.store = store.SnapshotStore(self.settings.directory,
-                                                 memory_budget=self.settings.memory)
+                                                 memory_budget=self.settings.memory,
+                                                 on_commit=self._committed)
                 atexit.register(self.store.wait, EXIT_WAIT_S)
             except store.SnapshotError as e:  # the training goes on without snapshots
                 self.broken = True
@@ -131,7 +161,8 @@ class SnapshotAgent:
                 return None
         self._check_last_write()
         try:
-            status = self.store.snapshot(state, iteration, wait=at_once)
+            status = self.store.snapshot(state, iteration, wait=at_once, plan=self.plan,
+                                         force=at_once)
         except store.SnapshotError:
             self._skipped(iteration, "unsupported", 0, now)
             raise
@@ -140,6 +171,8 @@ class SnapshotAgent:
             self._check_last_write()
         if status.started:
             self.last = (iteration, wall)
+            self.taken += 1
+            self.meter.copy(status.copy_s)
         else:
             self._skipped(iteration, status.reason or "busy", status.bytes, now)
         return status
@@ -172,6 +205,57 @@ class SnapshotAgent:
     def close(self) -> None:
         if self.store is not None:
             self.store.close()
+
+    def _due(self, iteration: int, wall: float) -> bool:
+        if self.settings.frequency is not None:
+            return self.settings.frequency.due(iteration, wall, self.last)
+        grid = Grid(self.plan.grid if self.plan is not None else ())
+        if not grid.segments:
+            # No agreed frequency yet: one snapshot to measure, then wait for it.
+            return self.taken == 0
+        return grid.due(iteration, None if self.last is None else self.last[0])
+
+    def _read_plan(self) -> None:
+        """The launcher's newest plan, read when its file changed; a file that is missing
+        or malformed leaves the plan as it was."""
+        path = self.settings.plan
+        if path is None:
+            return
+        try:
+            st = os.stat(path, follow_symlinks=False)
+            seen = (st.st_ino, st.st_mtime_ns, st.st_size)
+            if seen == self._plan_seen:
+                return
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+            try:
+                data = os.read(fd, MAX_PLAN_BYTES + 1)
+            finally:
+                os.close(fd)
+        except OSError:
+            return
+        self._plan_seen = seen
+        plan = decode_plan(data)
+        if plan is None:
+            log.warning("snapshot plan %s is malformed; keeping the previous one", path)
+        elif self.plan is None or plan.seq != self.plan.seq:
+            self.plan = plan
+
+    def _committed(self, result: Any) -> None:
+        """From the write's thread: what this rank holds now, to the launcher."""
+        if result.ok:
+            self._commit_cpu.append(result.cpu_s)
+        held = sorted({i for i in self.store.held().values() if i is not None})
+        self._send("held", held=held, at=self.at)
+
+    def _send_measure(self, now: float) -> None:
+        m = self.meter.measure()
+        if m is None or (self._measure_sent is not None and
+                         now - self._measure_sent < MEASURE_REPORT_S):
+            return
+        self._measure_sent = now
+        self._send("measure", iteration=self.at, blocking_s=round(m.blocking_s, 6),
+                   commit_s=round(m.commit_s, 6), step_s=round(m.step_s, 6),
+                   cpu=round(m.cpu, 3))
 
     def _check_last_write(self) -> None:
         result = self.store.last_write
@@ -209,7 +293,7 @@ class SnapshotMixin:
                 return None
             settings = settings_from_env(os.environ)
             if settings is None:
-                log.info("the launcher keeps no snapshots (see --ft-snapshot-every): "
+                log.info("the launcher keeps no snapshots (--ft-snapshot-every off): "
                          "snapshot() and restore() do nothing")
                 return None
             self._snapshots = SnapshotAgent(settings, self.send_report)  # type: ignore[attr-defined]
@@ -217,14 +301,15 @@ class SnapshotMixin:
 
     def snapshot(self, state: Any, iteration: int, *, at_once: bool = False) -> Any:
         """Snapshot ``state`` (tensors, numpy arrays and plain Python values in dicts,
-        lists and tuples) as of step ``iteration``, when due (``--ft-snapshot-every``).
+        lists and tuples) as of step ``iteration``, when due (by default at the frequency
+        the ranks agree on through the launcher; ``--ft-snapshot-every`` sets one).
 
         Blocks only while the tensors are copied to host memory; the write goes on in the
         background. With ``at_once``, the snapshot is taken whatever the frequency and
         written before this returns: for a state that must outlive an exit about to happen,
         such as the one the rerun state machine asks to checkpoint before exit 16 or 17.
-        Returns a ``SnapshotStatus`` (``started``, or skipped with ``reason`` "budget" or
-        "busy", which the launcher records as ``snapshot_skipped``), or None
+        Returns a ``SnapshotStatus`` (``started``, or skipped with ``reason`` "budget",
+        "busy" or "held", which the launcher records as ``snapshot_skipped``), or None
         when no snapshot was due or snapshots are off. Raises ``SnapshotError`` for a state
         it cannot hold, naming the path."""
         agent = self._snapshot_agent()

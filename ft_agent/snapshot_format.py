@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Any
 # snapshot's checksums are a pass over the whole state on the step's CPU.
 from zlib_ng.zlib_ng import crc32  # noqa: F401 - this module's export
 
+from ft_agent.snapshot_retention import SLOTS
+
 if TYPE_CHECKING:
     import torch
 
@@ -243,8 +245,8 @@ def parse_commit(data: bytes) -> Commit:
     if obj.get("version") != VERSION:
         raise SnapshotError("format", f"commit record version {obj.get('version')!r}")
     slot = obj.get("slot")
-    if slot not in ("a", "b"):
-        raise SnapshotError("format", "commit record names no slot a/b")
+    if slot not in SLOTS:
+        raise SnapshotError("format", f"commit record names no slot {'/'.join(SLOTS)}")
     rows = obj.get("tensors")
     if not isinstance(rows, list) or len(rows) > MAX_TENSORS:
         raise SnapshotError("format", "commit record tensors is not a bounded list")

@@ -177,9 +177,14 @@ FT_OPTIONS = [
      "Free space the run directory needs to pass the health check: bytes or a size such as "
      "500MB (0 = no minimum) [100MB]."),
     ("--ft-snapshot-every", "snapshot_every",
-     "Keep in-memory snapshots of the state ranks pass to ft_agent's snapshot(): every N "
-     "steps (5) or seconds (30s); a restart resumes from the newest one every rank holds "
-     "(off)."),
+     "How often to keep an in-memory snapshot of the state ranks pass to ft_agent's "
+     "snapshot(): auto (the ranks agree on a frequency under --ft-snapshot-overhead), every "
+     "N steps (5) or seconds (30s), or off; a restart resumes from the newest one every "
+     "rank holds [auto]."),
+    ("--ft-snapshot-overhead", "snapshot_overhead",
+     "With --ft-snapshot-every auto: the share of the step time a snapshot may cost the "
+     "training, e.g. 2% or 0.02 (the time snapshot() blocks, plus its background commit on "
+     "a node with no idle core) [2%]."),
     ("--ft-snapshot-memory", "snapshot_memory",
      "Memory the snapshots may use on this node, shared by its ranks, e.g. 8GB; a "
      "snapshot over a rank's share is skipped [half of /dev/shm's free space]."),

@@ -69,11 +69,13 @@ class FaultToleranceConfig(agent_config.FaultToleranceConfig):
     health_checks: list[str] = field(default_factory=list)  # shell commands
     health_check_timeout: float = 30.0  # seconds, per check
     min_free_space: int = 100 * 2**20  # bytes free in the run directory; 0 = no minimum
-    # In-memory snapshots (ft_launcher/snapshots/): every N steps ("5") or seconds ("30s");
+    # In-memory snapshots (ft_launcher/snapshots/): "auto" (the frequency the ranks agree on,
+    # under snapshot_overhead of the step time), every N steps ("5") or seconds ("30s");
     # None = off. Memory per node in bytes, None = half of the shared memory free at start.
-    snapshot_every: str | None = None
+    snapshot_every: str | None = "auto"
     snapshot_memory: int | None = None
     snapshot_replicas: int = 0
+    snapshot_overhead: float = 0.02
 
     @classmethod
     def parsers(cls) -> dict[str, Parser]:
@@ -185,18 +187,36 @@ def _parse_size(name: str, value: Any) -> int:
 
 
 def _parse_snapshot_every(name: str, value: Any) -> str | None:
-    """Steps (``5``) or seconds (``30s``) between snapshots; ``off``/``0``/none = off."""
+    """``auto``, steps (``5``) or seconds (``30s``) between snapshots; ``off``/``0``/none =
+    off."""
     text = "" if value is None else str(value).strip().lower()
     if text in ("", "none", "off", "0"):
         return None
+    if text == "auto":
+        return text
     if text.endswith("s"):
         seconds = parse_number(name, text[:-1], low=0.0, high=1e6)
         return f"{seconds:g}s"
     try:
         return str(parse_int(name, text, low=1, high=10**9))
     except ConfigError:
-        raise ConfigError(f"{name}: expected steps (e.g. 5), seconds (e.g. 30s) or off, "
-                          f"got {value!r}") from None
+        raise ConfigError(f"{name}: expected auto, steps (e.g. 5), seconds (e.g. 30s) or "
+                          f"off, got {value!r}") from None
+
+
+def _parse_overhead(name: str, value: Any) -> float:
+    """A share of the step time: ``2%`` or ``0.02``, above 0 and at most 100 %."""
+    text = str(value).strip()
+    percent = text.endswith("%")
+    try:
+        share = parse_number(name, text[:-1] if percent else text, low=0.0, high=100.0)
+    except ConfigError:
+        share = -1.0
+    share = share / 100 if percent else share
+    if not 0 < share <= 1:
+        raise ConfigError(f"{name}: expected a share of the step time above 0 and at most "
+                          f"100% (e.g. 2% or 0.02), got {value!r}")
+    return share
 
 
 def _parse_snapshot_memory(name: str, value: Any) -> int | None:
@@ -237,6 +257,7 @@ FT_PARSERS: dict[str, Parser] = {
     "snapshot_every": _parse_snapshot_every,
     "snapshot_memory": _parse_snapshot_memory,
     "snapshot_replicas": _parse_replicas,
+    "snapshot_overhead": _parse_overhead,
 }
 assert set(FT_PARSERS) == {f.name for f in dataclasses.fields(FaultToleranceConfig)} - {
     "configured"}

@@ -138,8 +138,9 @@ EVENTS: dict[str, EventDoc] = {
         "rank, stopped_s, current, reason"),
     # -- snapshots ----------------------------------------------------------------------
     "snapshots_ready": EventDoc(
-        "snapshots", "the job's snapshot directory was made (a stale one of this job removed)",
-        "path, every, memory, rank_memory, replicas, stale_removed"),
+        "snapshots", "snapshots are ready at the first cycle: a stale directory of this job "
+        "removed; the first rank to snapshot makes the directory",
+        "path, every, overhead, memory, rank_memory, replicas, stale_removed"),
     "snapshots_off": EventDoc(
         "snapshots", "the snapshot directory was refused or could not be made: the job runs "
         "without snapshots", "reason, path"),
@@ -153,8 +154,15 @@ EVENTS: dict[str, EventDoc] = {
         "rank, iteration, source (local, replica), bytes, seconds"),
     "snapshot_skipped": EventDoc(
         "snapshots", "a rank's snapshot was not taken",
-        "rank, iteration, reason (budget, busy, io, unsupported), bytes, count (since the "
-        "last such event)"),
+        "rank, iteration, reason (budget, busy, claim, held, io, unsupported), bytes, count "
+        "(since the last such event)"),
+    "snapshot_frequency": EventDoc(
+        "snapshots", "the default frequency the ranks agreed on, or a change of it: every "
+        "`every` steps from iteration `start`, and why (the rank whose snapshots cost the most "
+        "for its step time)",
+        "every, start, previous, reason (first measure, over budget, cheaper, new cycle), "
+        "rank, blocking_s, commit_s, commit_counted (no idle core), step_s, budget, overhead "
+        "(expected share of the step time), ranks_measured"),
     "snapshot_rejected": EventDoc(
         "snapshots", "a copy failed its checks (checksum, size, format, NaN); never loaded",
         "rank, iteration, slot, reason, by (launcher, rank)"),

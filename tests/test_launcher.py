@@ -77,6 +77,7 @@ def test_clean_run_exits_0_with_torchrun_environment(run_dir):
 def test_killed_worker_restarts_and_resumes_from_checkpoint(run_dir):
     """SIGKILL a rank once a checkpoint exists: the group restarts, resumes, finishes 0."""
     cmd = launcher_cmd(run_dir, "--nproc-per-node", "2", "--max-restarts", "2",
+                       "--ft-snapshot-every", "off",  # the disk checkpoint is what is tested
                        str(EXAMPLES / "train_ddp.py"), "--steps", "60", "--ckpt-every", "10",
                        "--step-time", "0.03")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -249,6 +249,7 @@ def test_cli_rejects_a_bad_fault_in_one_line(tmp_path: Path):
 
 def test_rank_killed_is_recovered_from_the_checkpoint(run_dir: Path):
     proc = run_launcher(run_dir, "--nproc-per-node", "2", "--max-restarts", "2", *FAST_STOP,
+                        "--ft-snapshot-every", "off",  # the disk checkpoint is what is tested
                         "--ft-simulated-fault", "rank_killed:base_delay=7,rank=1",
                         TRAIN_DDP, "--steps", "160", "--step-time", "0.05",
                         "--ckpt-every", "5", timeout=120)

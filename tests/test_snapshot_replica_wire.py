@@ -63,7 +63,7 @@ def test_round_trip_of_every_op():
     (head(iteration=2**64), "bounds"),
     (head(size=10**18), "bounds"),
     (head(size=3), "bounds"),
-    (head(slot="c"), "format"),
+    (head(slot="d"), "format"),
     (head(extra=1), "format"),
     (head(size=...), "format"),
     (head(v=2), "format"),

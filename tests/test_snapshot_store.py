@@ -455,6 +455,11 @@ def test_the_other_slot_is_claimed_in_the_background_within_the_budget(
 def test_one_write_in_flight_a_second_is_skipped_as_busy_or_waits(tmp_path: Path) -> None:
     big = {"w": torch.ones(5_000_000)}  # 20 MB: its check outlasts the next call by far
     with SnapshotStore(tmp_path / "r") as store:
+        # A slot's memory is claimed in the background: the step never waits for it.
+        claiming = store.snapshot(big, 1)
+        assert not claiming.started and claiming.reason == "claim"
+        assert store.snapshot(big, 1).reason == "busy"  # the claim is still running
+        store.wait()
         first = store.snapshot(big, 1)
         second = store.snapshot(big, 2)
         assert first.started and not second.started and second.reason == "busy"
@@ -490,6 +495,9 @@ def test_full_tmpfs_skips_the_snapshot_and_keeps_the_previous_one(full_tmpfs: Pa
         written(store, {"w": torch.ones(50_000)}, 1)  # 200 kB
         # 1.2 MB: no room. The slot's pages are claimed before the copy, so this is a skip
         # and not a SIGBUS in the middle of it.
+        status = store.snapshot({"w": torch.ones(300_000)}, 2)
+        assert not status.started and status.reason == "claim"
+        store.wait()  # the claim fails in the background; the next snapshot says so
         status = store.snapshot({"w": torch.ones(300_000)}, 2)
         assert not status.started and status.reason == "io"
         assert "No space left" in caplog.text

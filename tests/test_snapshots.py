@@ -98,7 +98,7 @@ def test_reports_decode_valid_ones():
                 "seconds": 1}),
     json.dumps({"kind": "restored", "iteration": 1, "source": "disk", "bytes": 1, "seconds": 1}),
     json.dumps({"kind": "skipped", "iteration": 1, "reason": "whim", "bytes": 1, "count": 1}),
-    json.dumps({"kind": "rejected", "iteration": 1, "slot": "c", "reason": "x"}),
+    json.dumps({"kind": "rejected", "iteration": 1, "slot": "d", "reason": "x"}),
     '{"kind": "restored", "iteration": 1, "source": "local", "bytes": 1, "seconds": NaN}',
 ])
 def test_reports_decode_rejects_malformed_ones_without_raising(message):
@@ -215,22 +215,36 @@ def agent(directory: Path, every: str = "1", memory: int | None = None,
     return SnapshotAgent(settings, lambda what, msg: sent.append(json.loads(msg))), sent
 
 
+def taken(a: SnapshotAgent, state: dict, iteration: int) -> store.SnapshotStatus | None:
+    """``a.snapshot``, once more after a claim of fresh memory (which the step never waits
+    for: the first snapshot of a process is a claim in the background)."""
+    status = a.snapshot(state, iteration)
+    if status is not None and status.reason == "claim":
+        a.store.wait()
+        status = a.snapshot(state, iteration)
+    return status
+
+
 def test_agent_honours_frequency_and_reports_budget_skips(tmp_path):
     a, sent = agent(tmp_path / "r0", every="3", memory=1000)
-    assert a.snapshot({"w": torch.zeros(10)}, 1).started
-    assert a.snapshot({"w": torch.zeros(10)}, 2) is None  # not due
+    first = a.snapshot({"w": torch.zeros(10)}, 1)
+    assert first.reason == "claim"  # the slot's memory, claimed in the background
     a.store.wait()
-    status = a.snapshot({"w": torch.zeros(1000)}, 3)  # 4000 bytes: over the budget
+    assert a.snapshot({"w": torch.zeros(10)}, 3).started  # the first of the cycle: due
+    assert a.snapshot({"w": torch.zeros(10)}, 4) is None  # not due
+    a.store.wait()
+    status = a.snapshot({"w": torch.zeros(1000)}, 6)  # 4000 bytes: over the budget
     assert not status.started and status.reason == "budget"
-    assert sent == [{"kind": "skipped", "iteration": 3, "reason": "budget", "bytes": 4000,
-                     "count": 1}]
+    assert [m for m in sent if m["kind"] == "skipped"] == [
+        {"kind": "skipped", "iteration": 1, "reason": "claim", "bytes": 40, "count": 1},
+        {"kind": "skipped", "iteration": 6, "reason": "budget", "bytes": 4000, "count": 1}]
     a.close()
 
 
 def test_agent_restores_the_chosen_iteration_and_refuses_a_corrupt_one(tmp_path):
     a, _ = agent(tmp_path / "r0")
     for it in (1, 2):
-        a.snapshot({"w": torch.full((4,), float(it))}, it)
+        assert taken(a, {"w": torch.full((4,), float(it))}, it).started
         a.store.wait()
     a.close()
     b, sent = agent(tmp_path / "r0", iteration=1)
@@ -275,8 +289,10 @@ def test_service_picks_verifies_and_discards(tmp_path):
     job, evs = service(tmp_path)
     env = job.begin_cycle([0, 1], 1)
     assert env[0]["FT_SNAPSHOT_ITERATION"] == "none" and env[1]["FT_SNAPSHOT_MEMORY"] == str(2**19)
-    assert evs[0][0] == "snapshots_ready" and stat.S_IMODE(os.stat(job.area.path).st_mode) == 0o700
+    assert evs[0][0] == "snapshots_ready"
+    assert not job.area.path.exists()  # made by the first rank to snapshot: none yet
     write(job, 0, [3, 4, 5])
+    assert stat.S_IMODE(os.stat(job.area.path).st_mode) == 0o700
     write(job, 1, [3, 4])
     evs.clear()
     env = job.begin_cycle([0, 1], 1)
@@ -378,8 +394,11 @@ def test_lightning_state_round_trips_through_a_snapshot(tmp_path):
             self.at_start = module.layer.weight.detach().clone()
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-            snapshot_fit_state(self.client, trainer, module, 2)
+            status = snapshot_fit_state(self.client, trainer, module, 2)
             if self.client.store is not None:
+                self.client.store.wait()
+            if status is not None and status.reason == "claim":  # the first: memory first
+                snapshot_fit_state(self.client, trainer, module, 2)
                 self.client.store.wait()
 
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(16, 4)),
@@ -499,6 +518,9 @@ def test_a_write_in_flight_at_exit_is_finished_within_a_bound(tmp_path):
     # 80 MB: the background write is still running when the script's last line returns.
     code = ("import torch, time; from ft_agent.client import RankMonitorClient\n"
             "c = RankMonitorClient()\n"
+            "s = c.snapshot({'w': torch.ones(20_000_000)}, 1)\n"
+            "assert s.reason == 'claim', s\n"
+            "c._snapshots.store.wait()\n"
             "s = c.snapshot({'w': torch.ones(20_000_000)}, 1)\n"
             "assert s.started, s\n"
             "print('busy' if c._snapshots.store._busy() else 'done', flush=True)\n")

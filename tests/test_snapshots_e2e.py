@@ -1,10 +1,12 @@
 """In-memory snapshots end to end: a real launcher, the DDP example on 2 ranks (gloo).
 
-A rank SIGKILLed or hung: the next cycle resumes from the newest step every rank holds a
-snapshot of, at most one step behind the last step the world completed (the disk
-checkpoint is far older). A snapshot corrupted between cycles: rejected by the launcher,
-never loaded, and the training resumes from the disk checkpoint. A launcher stopped by
-SIGTERM removes the snapshots.
+With the defaults only (the frequency the ranks agree on): a rank SIGKILLed while its
+write of a 50 MB snapshot is under way, one rank ahead of the other, and every rank resumes
+from the newest iteration both committed. A rank SIGKILLed or hung: the next cycle resumes
+from the newest step every rank holds a snapshot of, at most one step behind the last step
+the world completed (the disk checkpoint is far older). A snapshot corrupted between
+cycles: rejected by the launcher, never loaded, and the training resumes from the disk
+checkpoint. A launcher stopped by SIGTERM removes the snapshots.
 """
 
 from __future__ import annotations
@@ -62,6 +64,44 @@ def assert_resumed_from_snapshot(run_dir: Path) -> None:
     assert summary(run_dir)["exit_code"] == 0
     area = named(evs, "snapshots_ready")[0]["path"]
     assert not Path(area).exists(), "the launcher removes the snapshots when the job ends"
+
+
+def started(run_dir: Path, rank: int) -> list[int]:
+    """The iterations whose snapshot ``rank`` started in cycle 0 (snapshot_issue.py)."""
+    log = (run_dir / "logs" / "cycle_0" / f"rank_{rank}.log").read_text()
+    return [int(m) for m in re.findall(r"cycle 0: started (\d+)", log)]
+
+
+def test_with_the_defaults_a_kill_during_a_write_resumes_from_the_newest_common_copy(
+        tmp_path: Path):
+    """The issue's case, no snapshot option given: 2 ranks, a 50 MB tensor each, 0.1 s
+    steps; rank 1 SIGKILLed right after the first snapshot it started at or after step 40,
+    so its write is cut short. Every rank resumes from the newest iteration both had
+    started (and so committed) before it: never from scratch, never older."""
+    run_dir = tmp_path / "run"
+    proc = run_launcher(run_dir, "--nproc-per-node", "2", "--max-restarts", "1", *FAST_STOP,
+                        str(SCRIPTS / "snapshot_issue.py"), "--steps", "50", timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    evs = events(run_dir)
+    frequency = [e for e in named(evs, "snapshot_frequency") if e["cycle"] == 0]
+    assert frequency and frequency[0]["reason"] == "first measure", frequency
+    killed_at = started(run_dir, 1)[-1]
+    assert killed_at >= 40
+    both = set(started(run_dir, 0)) & set(started(run_dir, 1)) - {killed_at}
+    expected = max(both)
+    # Once the frequency is agreed, both ranks snapshot the same steps: the grid's.
+    every, start = frequency[-1]["every"], frequency[-1]["start"]
+    assert (expected - start) % every == 0 and killed_at - expected == every, \
+        (expected, killed_at, frequency)
+    picked = [e for e in named(evs, "snapshot_picked") if e["cycle"] == 1]
+    assert [p["iteration"] for p in picked] == [expected], picked
+    restored = [e for e in named(evs, "snapshot_restored") if e["cycle"] == 1]
+    assert sorted((e["rank"], e["iteration"]) for e in restored) == [(0, expected),
+                                                                       (1, expected)]
+    for rank in (0, 1):
+        assert resumed(run_dir, rank, 1) == ("snapshot", expected)
+    area = Path(named(evs, "snapshots_ready")[0]["path"])
+    assert not area.exists(), "the launcher removes the snapshots when the job ends"
 
 
 def test_rank_killed_resumes_from_the_snapshots(tmp_path: Path):

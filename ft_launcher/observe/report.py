@@ -124,7 +124,30 @@ def build_report(run_dir: Path, events: list[dict[str, Any]] | None = None) -> d
     return {"run_dir": str(run_dir), "intervals": intervals, "cycles": cycles,
             "ledger": ledger_of(events).summary(), "summary": summary,
             "speeds": {"section": section, "rows": speed_table(events, section)},
-            "preloads": preload_rows(events)}
+            "preloads": preload_rows(events), "snapshot_frequency": frequency_rows(events)}
+
+
+FREQUENCY_COLUMNS = [("cycle", "cycle"), ("every", "every"), ("from", "start"),
+                     ("why", "reason"), ("rank", "rank"), ("blocking_s", "blocking_s"),
+                     ("commit_s", "commit_s"), ("commit counted", "commit_counted"),
+                     ("step_s", "step_s"), ("overhead", "overhead")]
+
+
+def frequency_rows(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The default snapshot frequency the ranks agreed on, and each change of it."""
+    return [{key: e.get(key) for _, key in FREQUENCY_COLUMNS}
+            for e in events if e.get("event") == "snapshot_frequency"]
+
+
+def frequency_lines(rows: list[dict[str, Any]] | None) -> list[str]:
+    """The report's snapshot frequency table: nothing when there was none."""
+    if not rows:
+        return []
+    return ["", "Snapshot frequency (every N steps from an iteration; why: the rank whose "
+                "snapshots cost the most for its step time)"] + _table(
+        [name for name, _ in FREQUENCY_COLUMNS],
+        [[_pct(r[key]) if key == "overhead" else _fmt(r[key]) for _, key in FREQUENCY_COLUMNS]
+         for r in rows], "  ")
 
 
 def preload_rows(events: list[dict[str, Any]]) -> dict[str, Any]:
@@ -249,6 +272,7 @@ def render_text(report: dict[str, Any]) -> str:
                                                      "median_s", "score", "speed")]
                          + ["yes" if r["straggler"] else ""] for r in speeds["rows"]])
     lines += preload_lines(report.get("preloads"))
+    lines += frequency_lines(report.get("snapshot_frequency"))
     s = report["summary"]
     if s:
         lines += ["", f"Exit {s['exit_code']}: {s['reason']} ({s['restarts']} restarts); "

@@ -32,8 +32,11 @@ class SnapshotService(CycleService):
     def feeds(self) -> RankFeeds:
         return RankFeeds(reports={reports.WHAT: self.snapshots.on_report})
 
+    def due(self, now: float, wall: float) -> float | None:
+        return self.snapshots.due(now)  # soon while ranks commit: their reports move the plan
+
     def tick(self, now: float, training: bool) -> None:
-        self.snapshots.tick()  # new local commits go to the buddies (never blocks)
+        self.snapshots.tick()  # the plan; new local commits go to the buddies (never blocks)
 
     def close(self) -> None:
         self.snapshots.close()  # the job's snapshots go with it

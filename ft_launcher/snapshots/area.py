@@ -6,7 +6,9 @@ another user's or another job's area apart. The directory is 0700 and holds one 
 subdirectory per global rank (``rank_<N>``). One already there that is this user's and
 private is a leftover of the same job (a launcher killed by SIGKILL cannot remove it): it
 is removed at start. One owned by another user, or with another mode, is refused: the job
-runs without snapshots.
+runs without snapshots. The directory itself is made by whoever first writes in it (a
+rank's store makes it, 0700, with the rank's own directory): a job whose training never
+snapshots leaves nothing behind, even when its launcher is SIGKILLed.
 """
 
 from __future__ import annotations
@@ -53,22 +55,36 @@ class Area:
     def make(self) -> None:
         """Create the directory (removing a stale one of this job); AreaRefused when the
         path is someone else's or not private."""
-        try:
-            st = os.lstat(self.path)
-        except FileNotFoundError:
-            st = None
-        except OSError as e:
-            raise AreaRefused(f"{self.path}: {e.strerror or e}") from None
-        if st is not None:
-            check_leftover(self.path, st)
-            shutil.rmtree(self.path)
-            self.stale_removed = True
-            log.warning("removed a stale snapshot directory of this job: %s", self.path)
+        self.clear()
         try:
             os.mkdir(self.path, DIR_MODE)
             os.chmod(self.path, DIR_MODE, follow_symlinks=False)  # the umask may narrow it
         except OSError as e:
             raise AreaRefused(f"cannot create {self.path}: {e.strerror or e}") from None
+
+    def clear(self) -> None:
+        """Remove a stale one of this job, making nothing; AreaRefused when the path is
+        someone else's or not private."""
+        try:
+            st = os.lstat(self.path)
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            raise AreaRefused(f"{self.path}: {e.strerror or e}") from None
+        check_leftover(self.path, st)
+        shutil.rmtree(self.path)
+        self.stale_removed = True
+        log.warning("removed a stale snapshot directory of this job: %s", self.path)
+
+    def remove_if_ours(self) -> bool:
+        """Remove the directory when it is this user's and private (never someone else's,
+        which a rank would have refused); whether one went. Never raises."""
+        try:
+            check_leftover(self.path, os.lstat(self.path))
+        except (AreaRefused, OSError):
+            return False
+        self.remove()
+        return True
 
     def rank_dir(self, rank: int) -> Path:
         """Rank ``rank``'s directory (created 0700 by the rank's store on first use)."""
@@ -82,11 +98,8 @@ class Area:
         """Remove a leftover of this job that this launcher never made (its predecessor's,
         SIGKILLed) when it is this user's private directory; whether one went. Never
         raises."""
-        try:
-            check_leftover(self.path, os.lstat(self.path))
-        except (AreaRefused, OSError):
+        if not self.remove_if_ours():
             return False
-        self.remove()
         log.warning("removed a stale snapshot directory of this job: %s", self.path)
         return True
 

@@ -3,11 +3,13 @@ client calls that push a local rank directory to a buddy and fetch it back.
 
 ``ReplicaServer(root, "tcp://host:port", token).start()`` serves a ZeroMQ ROUTER socket
 from a background thread. A pushed slot is written into ``<root>/rank_<r>/`` in the store's
-own format (``ft_agent.snapshot``): into the slot that does not hold the newest copy, its
-bytes first and its commit record last (write + rename), and only after every byte passed
-the CRC32s of the sender's commit record; so a transfer cut at any point leaves the
-previous replica whole and nothing unchecked is ever committed. A fetch streams the
-newest copy (or a given iteration) back, checked again on the way out, and a copy that
+own format (``ft_agent.snapshot``): into a slot the world's plan does not keep
+(``ReplicaServer.plan``, ``ft_agent.snapshot_retention``), whose memory is claimed first
+in a background thread (the push is answered "busy: claiming memory" until then, and asks
+again), its bytes first and its commit record last (write + rename), and only after every
+byte passed the CRC32s of the sender's commit record; so a transfer cut at any point
+leaves every kept replica whole and nothing unchecked is ever committed. A fetch streams
+the newest copy (or a given iteration) back, checked again on the way out, and a copy that
 fails is not offered again.
 
 ``push`` and ``fetch`` (client side) return a ``TransferResult``; they raise nothing: a
@@ -36,7 +38,14 @@ import zmq
 
 from ft_agent.snapshot import available_iterations, commit_file, open_dir
 from ft_agent.snapshot_format import SnapshotError
-from ft_launcher.snapshots.replica_disk import SlotReader, SlotWriter, rank_dir_name
+from ft_agent.snapshot_retention import SLOTS, Plan
+from ft_launcher.snapshots.replica_disk import (
+    SlotReader,
+    SlotWriter,
+    claim,
+    next_slot,
+    rank_dir_name,
+)
 from ft_launcher.snapshots.replica_wire import (
     MAX_FRAME,
     MAX_HEADER,
@@ -56,6 +65,10 @@ DEFAULT_WINDOW = 4
 DEFAULT_STALL_S = 10.0
 MAX_TRANSFERS = 64
 _TICK_MS = 50
+# A push the server answers with this (it claims a fresh slot's memory first) is asked
+# again after CLAIM_POLL_S, doubling up to half a second, within the push's timeout.
+CLAIMING = "refused: busy: claiming memory"
+CLAIM_POLL_S = 0.05
 
 __all__ = ["Held", "ReplicaSender", "ReplicaServer", "TransferResult", "fetch", "held", "push"]
 
@@ -143,6 +156,10 @@ class ReplicaServer:
         self.chunk_bytes, self.window, self.max_slot_bytes = chunk_bytes, window, max_slot_bytes
         self.clock = clock
         self.stats: Counter[str] = Counter()
+        # The world's plan: which hosted copies a push must not overwrite (None: only the
+        # newest). Set from the launcher's loop, read by the server's thread.
+        self.plan: Plan | None = None
+        self._claims: dict[tuple[int, str], threading.Thread] = {}  # (rank, slot) being claimed
         self._xfers: dict[bytes, _Inbound | _Outbound] = {}
         self._bad: set[tuple[int, str, int]] = set()  # (rank, slot, seq) that failed a check
         self._stop = threading.Event()
@@ -264,6 +281,7 @@ class ReplicaServer:
             commit = xfer.writer.commit(xfer.verifier.finish(msg.payload))
             del self._xfers[ident]
             xfer.writer.close()
+            self._claim_another(msg.rank, commit)
             self.stats["received"] += 1
             log.info("replica of rank %d iteration %d received (%d bytes, slot %s)",
                      msg.rank, commit.iteration, commit.file_bytes, commit.slot)
@@ -279,6 +297,37 @@ class ReplicaServer:
     def _held(self, rank: int) -> list[int]:
         return available_iterations(self._rank_dir(rank))
 
+    def _claim(self, rank: int, slot: str, size: int) -> None:
+        """Claim ``slot``'s memory for ``rank`` in a background thread (one at a time per
+        slot)."""
+        key = (rank, slot)
+        running = self._claims.get(key)
+        if running is not None and running.is_alive():
+            return
+
+        def run() -> None:
+            try:
+                claim(self._rank_dir(rank), slot, size)
+            except (OSError, SnapshotError) as e:
+                log.warning("replica of rank %d: cannot claim slot %s: %s", rank, slot, e)
+        thread = threading.Thread(target=run, name=f"ft-replica-claim-{rank}{slot}",
+                                  daemon=True)
+        self._claims[key] = thread
+        thread.start()
+
+    def _claim_another(self, rank: int, commit: Any) -> None:
+        """After a rank's first replica, a second slot's memory too (the next push would
+        otherwise claim it, as the local store claims its second slot after its first
+        commit)."""
+        try:
+            _, claimed = next_slot(self._rank_dir(rank), frozenset(), self.plan)
+        except (OSError, SnapshotError):
+            return
+        ready = [s for s, n in claimed.items() if n >= commit.file_bytes]
+        spare = [s for s in SLOTS if s not in ready and s != commit.slot]
+        if len(ready) < 2 and spare:
+            self._claim(rank, spare[0], commit.file_bytes)
+
     def _begin_push(self, ident: bytes, msg: Message) -> None:
         if ident in self._xfers:
             self._drop(ident, "the peer started over", reply=False)
@@ -292,7 +341,14 @@ class ReplicaServer:
             return
         reading = frozenset(x.reader.commit.slot for x in self._xfers.values()
                             if isinstance(x, _Outbound) and x.rank == msg.rank)
-        writer = SlotWriter(self._rank_dir(msg.rank), reading)
+        slot, claimed = next_slot(self._rank_dir(msg.rank), reading, self.plan)
+        if slot is not None and claimed.get(slot, 0) < msg.size:
+            # Fresh memory first, in the background: this thread never waits for a claim,
+            # and the transfer later writes into pages it already has.
+            self._claim(msg.rank, slot, msg.size)
+            raise SnapshotError("busy", f"claiming memory: {msg.size} bytes for rank "
+                                f"{msg.rank}'s replica, first")
+        writer = SlotWriter(self._rank_dir(msg.rank), reading, self.plan)
         self._xfers[ident] = _Inbound(msg.rank, msg.iteration, writer,
                                       SlotVerifier(msg.size, msg.iteration), self.clock())
         self._send(ident, Message("ready", msg.rank))
@@ -482,8 +538,23 @@ def push(rank_dir: str | os.PathLike[str], rank: int, endpoint: str, token: str,
          window: int = DEFAULT_WINDOW, context: zmq.Context | None = None) -> TransferResult:
     """Send the newest committed slot of ``rank_dir`` (a store directory) to the replica
     server at ``endpoint`` as rank ``rank``'s replica; skipped (ok) when the server already
-    holds that iteration. Blocks until done or until no progress for ``timeout`` seconds;
-    raises nothing."""
+    holds that iteration. When the server first claims the memory for it (a fresh slot), it
+    is asked again until then. Blocks until done or until no progress for ``timeout``
+    seconds; raises nothing."""
+    deadline = time.monotonic() + timeout
+    pause = CLAIM_POLL_S
+    while True:
+        result = _push_once(rank_dir, rank, endpoint, token, timeout, chunk_bytes, window,
+                            context)
+        if not (result.reason or "").startswith(CLAIMING) or time.monotonic() > deadline:
+            return result
+        time.sleep(pause)
+        pause = min(2 * pause, 0.5)
+
+
+def _push_once(rank_dir: str | os.PathLike[str], rank: int, endpoint: str, token: str,
+               timeout: float, chunk_bytes: int, window: int,
+               context: zmq.Context | None) -> TransferResult:
     def body(ctx: zmq.Context) -> TransferResult:
         try:
             reader = SlotReader(rank_dir)

@@ -2,9 +2,10 @@
 (``ft_agent.snapshot``), for replicas streamed between nodes.
 
 ``SlotReader`` opens a directory's newest committed slot (or a given iteration's) to stream
-it out; ``SlotWriter`` receives one into the slot that does not hold the directory's newest
-commit: it removes that slot's commit record first, writes the bytes, and only then writes
-the new commit record (write + rename), so a transfer cut at any point leaves the newest
+it out; ``SlotWriter`` receives one into a slot that keeps nothing the plan keeps
+(``ft_agent.snapshot_retention``: the world's pin, the copies at or above its floor, the
+newest): it removes that slot's commit record first, writes the bytes, and only then writes
+the new commit record (write + rename), so a transfer cut at any point leaves every kept
 copy whole. The directory is checked like the store's (0700, this uid, no symlink).
 """
 
@@ -21,7 +22,7 @@ from ft_agent.snapshot_format import (
     encode_commit,
     parse_commit,
 )
-from ft_launcher.snapshots.replica_wire import SLOTS
+from ft_agent.snapshot_retention import SLOTS, Plan, write_slot
 
 _O_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 
@@ -58,6 +59,56 @@ def _read_small(dir_fd: int, name: str) -> bytes:
     return data
 
 
+def claimed_bytes(dir_fd: int) -> dict[str, int]:
+    """The memory each slot's file holds (its allocated blocks), for the slots that have a
+    file."""
+    out = {}
+    for slot in SLOTS:
+        try:
+            st = os.stat(slot_file(slot), dir_fd=dir_fd, follow_symlinks=False)
+        except OSError:
+            continue
+        out[slot] = st.st_blocks * 512
+    return out
+
+
+def claimed_slots(dir_fd: int) -> frozenset[str]:
+    """Slots whose file already holds memory."""
+    return frozenset(s for s, n in claimed_bytes(dir_fd).items() if n > 0)
+
+
+def next_slot(directory: str | os.PathLike[str], avoid: frozenset[str],
+              plan: Plan | None) -> tuple[str | None, dict[str, int]]:
+    """The slot a ``SlotWriter`` would write now (None: none) and what every slot's file
+    has claimed."""
+    dir_fd = open_dir(directory, create=True)
+    try:
+        claimed = claimed_bytes(dir_fd)
+        slot = target_slot(read_commits(dir_fd), plan, avoid,
+                           frozenset(s for s, n in claimed.items() if n > 0))
+        return slot, claimed
+    finally:
+        os.close(dir_fd)
+
+
+def claim(directory: str | os.PathLike[str], slot: str, size: int) -> None:
+    """Give ``slot``'s file ``size`` bytes of memory now (tmpfs pages, zeroed), so a
+    transfer into it later claims nothing. A committed copy in it stays whole unless the
+    file grows (then its size no longer matches its commit record: it is not offered)."""
+    dir_fd = open_dir(directory, create=True)
+    try:
+        fd = os.open(slot_file(slot), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     FILE_MODE, dir_fd=dir_fd)
+    finally:
+        os.close(dir_fd)
+    try:
+        if os.fstat(fd).st_uid != os.getuid():
+            raise SnapshotError("owner", f"{slot_file(slot)} is not this uid's")
+        os.posix_fallocate(fd, 0, size)
+    finally:
+        os.close(fd)
+
+
 def newest(commits: dict[str, tuple[Commit, bytes]], iteration: int | None = None,
            skip: frozenset[tuple[str, int]] = frozenset()) -> tuple[Commit, bytes] | None:
     """The newest commit (by iteration, then write order), or the newest of ``iteration``;
@@ -67,12 +118,14 @@ def newest(commits: dict[str, tuple[Commit, bytes]], iteration: int | None = Non
     return max(found, key=lambda c: (c[0].iteration, c[0].seq), default=None)
 
 
-def target_slot(commits: dict[str, tuple[Commit, bytes]]) -> str:
-    """The slot to write: an uncommitted one, else the one holding the older commit."""
-    for slot in SLOTS:
-        if slot not in commits:
-            return slot
-    return min(SLOTS, key=lambda s: commits[s][0].seq)
+def target_slot(commits: dict[str, tuple[Commit, bytes]], plan: Plan | None,
+                avoid: frozenset[str] = frozenset(),
+                claimed: frozenset[str] = frozenset()) -> str | None:
+    """The slot to write, ``plan`` deciding which copies stay (None: only the newest);
+    never one in ``avoid``; None when every other slot keeps a copy."""
+    held = {s: (commits[s][0].iteration if s in commits else None)
+            for s in SLOTS if s not in avoid}
+    return write_slot(held, plan, claimed=claimed) if held else None
 
 
 class SlotReader:
@@ -112,18 +165,21 @@ class SlotReader:
 
 
 class SlotWriter:
-    """Receives one slot into a rank directory (created 0700 if missing); refuses with
-    ``SnapshotError('busy')`` when the slot it would write is in ``avoid`` (being read)."""
+    """Receives one slot into a rank directory (created 0700 if missing), into a slot that
+    keeps nothing ``plan`` keeps and is not in ``avoid`` (being read); refuses with
+    ``SnapshotError('busy')`` when there is none."""
 
     def __init__(self, directory: str | os.PathLike[str],
-                 avoid: frozenset[str] = frozenset()) -> None:
+                 avoid: frozenset[str] = frozenset(), plan: Plan | None = None) -> None:
         self.dir_fd = open_dir(directory, create=True)
         self.fd = -1
         try:
             commits = read_commits(self.dir_fd)
-            self.slot = target_slot(commits)
-            if self.slot in avoid:
-                raise SnapshotError("busy", f"slot {self.slot} is being read")
+            slot = target_slot(commits, plan, avoid, claimed_slots(self.dir_fd))
+            if slot is None:
+                raise SnapshotError("busy", "every slot keeps a copy the plan keeps, or is "
+                                    "being read")
+            self.slot = slot
             self.seq = 1 + max((c.seq for c, _ in commits.values()), default=0)
             self._unlink(commit_file(self.slot))
             self.fd = os.open(slot_file(self.slot), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW |

@@ -37,6 +37,7 @@ from ft_agent.snapshot_format import (
     parse_header,
     parse_prefix,
 )
+from ft_agent.snapshot_retention import SLOTS
 
 WIRE_VERSION = 1
 MAX_HEADER = 4096
@@ -48,7 +49,6 @@ MAX_COMMIT = 16 * 2**20  # a commit record of ~700k tensors
 MAX_FRAME = max(MAX_CHUNK, MAX_COMMIT, MAX_HEADER)
 MAX_SLOT_BYTES = 2**40
 MAX_HELD = 16
-SLOTS = ("a", "b")
 
 # op -> the header fields it carries besides v, op, token and rank; and whether a payload
 # frame follows.

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ft_agent import snapshot as store
+from ft_agent.snapshot_retention import Plan
 from ft_launcher.snapshots.buddy import buddies
 from ft_launcher.snapshots.replica import (
     ReplicaSender,
@@ -64,9 +65,11 @@ class Replication:
         self.root, self.k, self.token, self.events, self.clock = root, k, token, events, clock
         self.server = ReplicaServer(root, f"tcp://{bind_address(local_addr)}:0", token).start()
         self.senders = [ReplicaSender(token) for _ in range(k)]
-        self.targets: list[str] = []  # this cycle's buddies' endpoints, nearest first
+        # this cycle's buddy nodes and their endpoints (None: it serves none), nearest first
+        self.targets: dict[int, str | None] = {}
         self.ranks: dict[int, Path] = {}  # this cycle's local ranks and their directories
         self.pushed: dict[int, int] = {}  # rank -> newest iteration submitted
+        self.failed: set[str] = set()  # endpoints whose last push failed
         self.next_tick = 0.0
 
     @property
@@ -120,8 +123,18 @@ class Replication:
                 log.warning("rank %d: cannot discard a hosted replica: %s", rank, e)
         return out
 
-    def begin_cycle(self, ranks: dict[int, Path], targets: list[str]) -> None:
-        self.ranks, self.targets, self.pushed = ranks, targets, {}
+    def begin_cycle(self, ranks: dict[int, Path], targets: dict[int, str | None]) -> None:
+        """This cycle's local ranks, and its buddy nodes' endpoints (nearest first)."""
+        self.ranks, self.targets, self.pushed, self.failed = ranks, targets, {}, set()
+
+    def follow(self, plan: Plan) -> None:
+        """The world's plan, for the copies this node hosts."""
+        self.server.plan = plan
+
+    def failing(self) -> tuple[int, ...]:
+        """The buddy nodes this node's last push to failed (their copies do not count in
+        the world's plan until a push succeeds again)."""
+        return tuple(n for n, ep in self.targets.items() if ep is None or ep in self.failed)
 
     def tick(self) -> None:
         """Push each local rank's newest commit when it is new; report finished pushes."""
@@ -137,13 +150,21 @@ class Replication:
             if newest is None or newest <= self.pushed.get(rank, -1):
                 continue
             self.pushed[rank] = newest
-            for sender, endpoint in zip(self.senders, self.targets, strict=False):
+            endpoints = [ep for ep in self.targets.values() if ep is not None]
+            for sender, endpoint in zip(self.senders, endpoints, strict=False):
                 sender.submit(rank_dir, rank, endpoint)
         for sender in self.senders:
             for result in sender.results():
                 self.report(result)
 
     def report(self, r: TransferResult) -> None:
+        if r.op == "push":
+            # A buddy whose slots all keep copies the plan keeps refuses as busy: it is
+            # following the plan, not failing.
+            if r.ok or (r.reason or "").startswith("refused: busy"):
+                self.failed.discard(r.endpoint)
+            else:
+                self.failed.add(r.endpoint)
         if not r.ok:
             self.events("snapshot_replica_failed", rank=r.rank, op=r.op, endpoint=r.endpoint,
                         iteration=r.iteration, reason=r.reason)

@@ -1,11 +1,15 @@
-"""The job's snapshots on this node: the area, the choice at each cycle start, the events.
+"""The job's snapshots on this node: the area, the choice at each cycle start, the plan
+during a cycle, the events.
 
 At a cycle start (``begin_cycle``) the launcher reads each rank's commit records (cheap),
 checks in full (every tensor's CRC32, in threads: the CRC releases the GIL) only the copies of
 the candidate iteration, picks the newest iteration every rank holds a whole copy of
 (``pick.choose``), uncommits every newer or rejected copy, and gives each rank
 ``FT_SNAPSHOT_ITERATION``. The rank loads that iteration and checks it again (its own NaN
-check included) before it returns it from ``restore()``.
+check included) before it returns it from ``restore()``. During the cycle the
+``Coordinator`` keeps the plan every holder follows (which copies to keep, and with the
+default frequency which iterations to snapshot) from the ranks' reports (``on_report``)
+and, with several nodes, the other launchers' summaries (``tick``).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Any
 from ft_agent import snapshot as store
 from ft_launcher.snapshots import reports
 from ft_launcher.snapshots.area import SHM, Area, AreaRefused, area_name, default_root
+from ft_launcher.snapshots.coordinator import Coordinator, PlanExchange, World
 from ft_launcher.snapshots.pick import Choice, Copy, choose, to_discard
 from ft_launcher.snapshots.replication import Replication, buddy_nodes, shared_token
 from ft_launcher.snapshots.world import (
@@ -42,17 +47,23 @@ ENV_DIR = "FT_SNAPSHOT_DIR"
 ENV_EVERY = "FT_SNAPSHOT_EVERY"
 ENV_MEMORY = "FT_SNAPSHOT_MEMORY"
 ENV_ITERATION = "FT_SNAPSHOT_ITERATION"
+ENV_PLAN = "FT_SNAPSHOT_PLAN"
 NO_ITERATION = "none"
+AUTO = "auto"
+DEFAULT_OVERHEAD = 0.02
 
 
 @dataclass(frozen=True)
 class SnapshotOptions:
-    """``--ft-snapshot-every`` (None: off), ``--ft-snapshot-memory`` (bytes per node; None:
-    half the free space of the area's file system at start), ``--ft-snapshot-replicas``."""
+    """``--ft-snapshot-every`` (``auto``: the frequency the ranks agree on under the
+    ``overhead`` budget, a share of the step time; N or Ns; None: off),
+    ``--ft-snapshot-memory`` (bytes per node; None: half the free space of the area's file
+    system at start), ``--ft-snapshot-replicas``, ``--ft-snapshot-overhead``."""
 
-    every: str | None = None
+    every: str | None = AUTO
     memory: int | None = None
     replicas: int = 0
+    overhead: float = DEFAULT_OVERHEAD
 
 
 @dataclass(frozen=True)
@@ -72,9 +83,10 @@ class WorldRound:
 def for_job(cfg: Any, rundir: Any, events: Callable[..., Any]) -> JobSnapshots | None:
     """The job's snapshots from its ``LaunchConfig`` and ``RunDir``; None when off."""
     ft = cfg.ft
-    if getattr(ft, "snapshot_every", None) is None:
+    if ft.snapshot_every is None:
         return None
-    options = SnapshotOptions(ft.snapshot_every, ft.snapshot_memory, ft.snapshot_replicas)
+    options = SnapshotOptions(ft.snapshot_every, ft.snapshot_memory, ft.snapshot_replicas,
+                              ft.snapshot_overhead)
     return JobSnapshots(options, cfg.run_id, rundir.path, rundir.private, events,
                         cfg.nproc_per_node)
 
@@ -101,6 +113,11 @@ class JobSnapshots:
         self.replication: Replication | None = None  # started at the first multi-node round
         self.exchange_timeout_s = EXCHANGE_TIMEOUT_S
         self.fetched: dict[int, int] = {}  # this cycle's ranks restored from a replica
+        # The world's shape counts the replicas every node was asked for, even where this
+        # node's server could not start (then its pushes count as failing).
+        self.replicas_asked = options.replicas
+        self.coordinator = Coordinator(self.area.path, auto=options.every == AUTO,
+                                       budget=options.overhead, events=events)
 
     @property
     def enabled(self) -> bool:
@@ -111,8 +128,8 @@ class JobSnapshots:
     def _prepare(self) -> bool:
         if self.state == "new":
             try:
-                self.area.make()
-                memory = self.options.memory or free_half(self.area.path)
+                self.area.clear()
+                memory = self.options.memory or free_half(self.area.path.parent)
             except (AreaRefused, OSError) as e:
                 self.state = "off"
                 log.warning("snapshots off: %s", e)
@@ -121,8 +138,9 @@ class JobSnapshots:
             self.state = "ready"
             self.rank_memory = memory // max(1, self.nproc)
             self.events("snapshots_ready", path=str(self.area.path), every=self.options.every,
-                        memory=memory, rank_memory=self.rank_memory,
-                        replicas=self.options.replicas, stale_removed=self.area.stale_removed)
+                        overhead=self.options.overhead, memory=memory,
+                        rank_memory=self.rank_memory, replicas=self.options.replicas,
+                        stale_removed=self.area.stale_removed)
         return self.state == "ready"
 
     def close(self) -> None:
@@ -131,7 +149,7 @@ class JobSnapshots:
             self.replication.close()  # before the area its server writes into goes
             self.replication = None
         if self.state == "ready":
-            self.area.remove()
+            self.area.remove_if_ours()
         elif self.state == "new" and self.enabled:
             # Never made: a spare that was not needed. The area of a launcher of this run
             # directory that was SIGKILLed before it is still there, and nobody else would
@@ -155,9 +173,11 @@ class JobSnapshots:
             copies = {r: self._copies(r) for r in ranks}
             choice = choose(copies, self._verify) if group_world_size == 1 else Choice(
                 None, "several nodes without a shared rendezvous store: no agreement")
-        discarded = self._discard(to_discard(copies, choice))
+        dropped = to_discard(copies, choice)
+        discarded = self._discard(dropped)
         if self.replication is not None:
             discarded += self.replication.discard_after(choice.iteration)
+        self._begin_plan(ranks, group_world_size, world, copies, dropped, choice.iteration)
         for rank, copy, reason in choice.rejected:
             self.events("snapshot_rejected", rank=rank, iteration=copy.iteration,
                         slot=copy.slot, reason=reason, by="launcher")
@@ -167,12 +187,46 @@ class JobSnapshots:
                     seconds=round(time.perf_counter() - started, 4), discarded=discarded)
         value = NO_ITERATION if choice.iteration is None else str(choice.iteration)
         return {r: {ENV_DIR: str(self.area.rank_dir(r)), ENV_EVERY: str(self.options.every),
-                    ENV_MEMORY: str(self.rank_memory), ENV_ITERATION: value} for r in ranks}
+                    ENV_MEMORY: str(self.rank_memory), ENV_ITERATION: value,
+                    ENV_PLAN: self.coordinator.env} for r in ranks}
 
     def tick(self) -> None:
-        """From the launcher's loop: push new local commits to the buddies (never blocks)."""
+        """From the launcher's loop: with several nodes, this node's part of the plan
+        (a store exchange every few hundred milliseconds); new local commits to the
+        buddies (never blocks)."""
+        if self.state != "ready":
+            return
+        self.coordinator.tick()
         if self.replication is not None:
             self.replication.tick()
+
+    def due(self, now: float) -> float | None:
+        """The monotonic time by which the launcher's loop must read the ranks' reports
+        and call ``tick`` again (None: no hurry); ``now`` is the loop's monotonic clock."""
+        return self.coordinator.due(now) if self.state == "ready" else None
+
+    def _begin_plan(self, ranks: list[int], group_world_size: int, world: WorldRound | None,
+                    copies: dict[int, list[Copy]], dropped: list[tuple[int, Copy]],
+                    choice: int | None) -> None:
+        """The plan of the cycle starting: every holder keeps the iteration the world
+        restores (its first pin) and, before any, every copy."""
+        gone = {(r, c.slot) for r, c in dropped}
+        held = {r: [c.iteration for c in copies.get(r, []) if (r, c.slot) not in gone]
+                for r in ranks}
+        n = self.nproc
+        exchange = None
+        if group_world_size > 1 and world is not None:
+            shape = World(tuple(range(world.nodes * n)), n, world.nodes, self.replicas_asked)
+            exchange = PlanExchange(world.store, world.round_no, world.node, world.nodes)
+            node = world.node
+        else:
+            shape, node = World(tuple(ranks), n), 0
+        rep = self.replication
+        mine = buddy_nodes(node, shape.nodes, shape.replicas)  # none it can push to
+        self.coordinator.hosted = rep.hosted if rep is not None else dict
+        self.coordinator.failing = rep.failing if rep is not None else lambda: mine
+        self.coordinator.on_plan = rep.follow if rep is not None else None
+        self.coordinator.begin_cycle(held, choice, shape, node, exchange)
 
     # -- several nodes -----------------------------------------------------------------
 
@@ -192,8 +246,8 @@ class JobSnapshots:
 
     def _holdings(self, ranks: list[int], w: WorldRound, rep: Replication | None
                   ) -> tuple[dict[int, list[Copy]], Holdings]:
-        if rep is not None:  # ranks that moved away: what they left becomes a replica here
-            for entry in os.scandir(self.area.path):
+        if rep is not None and self.area.path.is_dir():  # ranks that moved away: what
+            for entry in os.scandir(self.area.path):  # they left becomes a replica here
                 name = entry.name
                 if name.startswith("rank_") and name[5:].isdigit() \
                         and int(name[5:]) not in ranks:
@@ -217,8 +271,8 @@ class JobSnapshots:
         missing += [n for n in raw if n not in published]
         if rep is not None:
             rep.begin_cycle({r: self.area.rank_dir(r) for r in ranks},
-                            [ep for b in buddy_nodes(w.node, w.nodes, self.options.replicas)
-                             if (ep := published[b].endpoint if b in published else None)])
+                            {b: published[b].endpoint if b in published else None
+                             for b in buddy_nodes(w.node, w.nodes, self.options.replicas)})
         if missing:
             self.events("snapshot_world_timeout", round=w.round_no, phase="holds",
                         missing=sorted(missing), waited_s=ex.timeout_s)
@@ -303,13 +357,18 @@ class JobSnapshots:
     # -- the ranks' reports ------------------------------------------------------------
 
     def on_report(self, rank: int, message: str) -> None:
-        """Record a rank's snapshot report as its event (a malformed one as rank_report)."""
+        """A rank's snapshot report: what it holds and what a snapshot costs it go to the
+        plan; the others become their events (a malformed one becomes rank_report)."""
         decoded = reports.decode(message)
         if decoded is None:
             self.events("rank_report", rank=rank, what=reports.WHAT, message=message[:8000])
             return
         name, fields = decoded
-        if name == "snapshot_rejected":  # literal names: tests/test_docs.py finds each one
+        if name == reports.HELD:
+            self.coordinator.on_held(rank, fields["held"], fields["at"])
+        elif name == reports.MEASURE:
+            self.coordinator.on_measure(rank, fields)
+        elif name == "snapshot_rejected":  # literal names: tests/test_docs.py finds each one
             self.events("snapshot_rejected", rank=rank, by="rank", **fields)
         elif name == "snapshot_restored":
             if self.fetched.get(rank) == fields.get("iteration"):

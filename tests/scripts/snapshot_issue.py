@@ -1,0 +1,60 @@
+"""The issue's training: each rank's state is one 50 MB tensor; a step is --step-s of sleep
+and an update of the tensor, the ranks kept in step by an all-reduce; after each step the
+state goes to ``client.snapshot`` (the launcher's default frequency decides which are
+taken) and ``client.restore()`` runs at start.
+
+In cycle 0, rank 1 SIGKILLs itself right after the first ``snapshot()`` call at or after
+--kill-at that started a write, so the kill lands while that write is under way. Each rank
+prints every snapshot it started ("started N") and where it resumed from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+from ft_agent import RankMonitorClient
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--step-s", type=float, default=0.1)
+    p.add_argument("--mb", type=int, default=50)
+    p.add_argument("--kill-at", type=int, default=40)
+    args = p.parse_args()
+    rank = int(os.environ["RANK"])
+    cycle = int(os.environ.get("FT_CYCLE", "0"))
+    dist.init_process_group("gloo")
+    client = RankMonitorClient()
+    client.init_workload_monitoring()
+    state = torch.zeros(args.mb * 2**20 // 4)
+    start = 0
+    restored = client.restore()
+    if restored is not None:
+        state, start = restored[0]["w"], restored[1]
+        print(f"rank {rank} cycle {cycle}: resumed from snapshot step {start}", flush=True)
+    flag = torch.zeros(1)
+    for step in range(start + 1, args.steps + 1):
+        time.sleep(args.step_s)
+        state.fill_(float(step))  # the step's result: the state of step N holds N
+        dist.all_reduce(flag)
+        status = client.snapshot({"w": state}, step)
+        client.send_heartbeat()
+        client.report_progress(step)
+        if status is not None and status.started:
+            print(f"rank {rank} cycle {cycle}: started {step}", flush=True)
+            if cycle == 0 and rank == 1 and step >= args.kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+    client.shutdown_workload_monitoring()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
