@@ -310,7 +310,7 @@ def test_nodes_mode_adds_the_lost_node_to_the_long_schedule_and_its_notes() -> N
     with pytest.raises(SystemExit, match="--nodes 2: goodput only"):
         bench.on_nodes(bench.PROFILES["long"], 2, ["goodput", "hang"])
     s = bench.on_nodes(bench.PROFILES["long"], 2, ["goodput"])
-    assert s.nodes == 2 and s.hb_timeout_s == 5.0 and bench.PROFILES["long"].nodes == 1
+    assert s.nodes == 2 and s.hb_timeout_s == 2.0 and bench.PROFILES["long"].nodes == 1
     # a schedule per cycle (--quick, --smoke) stays one: the lost node comes in cycle 2
     assert bench.on_nodes(bench.PROFILES["quick"], 2, ["goodput"]).fault_at_s == ()
     kill, hang, lose = s.fault_at_s
@@ -320,7 +320,7 @@ def test_nodes_mode_adds_the_lost_node_to_the_long_schedule_and_its_notes() -> N
     notes = " ".join(bench.method(s))
     assert "with 3 faults" in notes and "the loss of a node 300 s after it" in notes
     assert "Nodes (--nodes 2)" in notes and "--ft-snapshot-replicas 1" in notes
-    assert "Heartbeat timeout 5 s" in notes
+    assert "Heartbeat timeout 2 s" in notes
     assert measures.FAULTS == ("SIGKILL", "SIGSTOP", measures.NODE_LOST)
     lost = [{"redone": 3}, {"redone": 1}, {"redone": 40}]
     assert bench._redone(lost, nodes=2) == {"redone_kill": 3, "redone_hang": 1,

@@ -101,10 +101,6 @@ PROFILES: dict[str, Settings] = {
 }
 # --nodes 2 (with --long): the kill and the hang earlier, so the lost node comes too
 NODES_FAULT_AT_S = (100.0, 200.0, 300.0)
-# --nodes 2: the heartbeat timeout of ours and NVRx alike. A node's first replica of a
-# 200 MB snapshot (fresh memory at both ends) stalled the ranks of a fault-free run for up
-# to 1.96 s here (the longest heartbeat gap; 0.29 s without replicas), past 2 s.
-NODES_HB_TIMEOUT_S = 5.0
 LONG_MEASURES = "goodput"
 LONG_LAUNCHERS = f"{measures.SNAP},torchrun,nvrx"
 
@@ -166,10 +162,10 @@ def _selection(args: argparse.Namespace) -> tuple[list[str], list[str], str]:
 
 def on_nodes(s: Settings, nodes: int, selected: list[str]) -> Settings:
     """``s`` for goodput on ``nodes`` launchers (--nodes): a third fault, the lost node, on
-    the fixed schedule too, and the heartbeat timeout for replicated snapshots."""
+    the fixed schedule too (the heartbeat timeout stays the one-node runs')."""
     if selected != ["goodput"]:
         raise SystemExit(f"error: --nodes {nodes}: goodput only (--long, or --only goodput)")
-    return dataclasses.replace(s, nodes=nodes, hb_timeout_s=NODES_HB_TIMEOUT_S,
+    return dataclasses.replace(s, nodes=nodes,
                                fault_at_s=NODES_FAULT_AT_S if s.fault_at_s else ())
 
 

@@ -1,18 +1,19 @@
-"""What a snapshot every step costs a training run, with and without, side by side.
+"""What snapshots cost a training run, with and without, side by side.
 
     python scripts/bench/snapshot_overhead.py                       # 1 s steps, 200 MB, 20 pairs
+    python scripts/bench/snapshot_overhead.py --every 1 --out /tmp/every1.json
     python scripts/bench/snapshot_overhead.py --step-s 0.1 --pairs 5 --out /tmp/x.json
     python scripts/bench/snapshot_overhead.py --device cuda --out snapshot_overhead_gpu.json
 
 Runs ``scripts/bench/snapshot_step.py`` (2 ranks, gloo, ``--mb`` MB of state per rank, a
 step of fixed compute calibrated once to about ``--step-s`` seconds; with ``--device cuda``
 state and compute on the GPU, which the 2 ranks share on a one-GPU machine) under ``ft_launcher``
-in pairs: one run without snapshots, one with ``--ft-snapshot-every 1``, in alternating
-order. Each run's figure is the ranks' step loop wall time (first step excluded, so start-up
-is not counted); a pair's overhead is with / without - 1. The same is also reported for the
-steady state, from the third step on: by then both of a rank's slot files have had their
-pages claimed, a cost paid once per job (the second step pays for the second slot's).
-Medians printed, everything written to ``--out`` as JSON.
+in pairs: one run with ``--ft-snapshot-every off``, one with the launcher's default
+frequency (or ``--every``'s, e.g. ``1`` for every step), in alternating order. Each run's
+figure is the ranks' step loop wall time (first step excluded, so start-up is not counted);
+a pair's overhead is with / without - 1. The same is also reported for the steady state,
+from the third step on: by then a rank's first slot files have had their memory claimed, a
+cost paid once per job. Medians printed, everything written to ``--out`` as JSON.
 """
 
 from __future__ import annotations
@@ -70,8 +71,10 @@ def run_once(work: int, args: argparse.Namespace, snapshots: bool, tmp: Path
     out = tmp / f"loop-{time.monotonic_ns()}.json"
     cmd = [sys.executable, "-m", "ft_launcher.cli", "--ft-run-dir", str(tmp / out.stem),
            "--nproc-per-node", "2", "--max-restarts", "0"]
-    if snapshots:
-        cmd += ["--ft-snapshot-every", "1"]
+    if not snapshots:
+        cmd += ["--ft-snapshot-every", "off"]
+    elif args.every != "auto":
+        cmd += ["--ft-snapshot-every", args.every]
     cmd += [str(STEP), "--mb", str(args.mb), "--steps", str(args.steps), "--work", str(work),
             "--size", str(args.size), "--device", args.device, "--out", str(out)]
     res = subprocess.run(cmd, capture_output=True, text=True,
@@ -88,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step-s", type=float, default=1.0)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--pairs", type=int, default=20)
+    ap.add_argument("--every", default="auto",
+                    help="the with-run's --ft-snapshot-every [auto: the launcher's default]")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--out", type=Path, default=HERE / "snapshot_overhead.json")
     args = ap.parse_args(argv)
@@ -130,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine,
         "settings": {"mb_per_rank": args.mb, "ranks": 2, "step_s": args.step_s,
                      "steps": args.steps, "matmul_rounds": work, "device": args.device,
-                     "matmul_size": args.size},
+                     "matmul_size": args.size, "every": args.every},
         "pairs": pairs,
         "failed_runs": failures,
         "overhead_median": statistics.median(overheads),

@@ -432,11 +432,16 @@ def _snapshot_overhead_section(name: str) -> list[str]:
     steps = [p["step_median_without_s"] for p in doc["pairs"] if "step_median_without_s" in p]
     step = (f"steps of {_spread(steps, 2)} s (each run's median step, without snapshots)"
             if steps else f"steps of about {st['step_s']} s of compute")
+    every = st.get("every", "1")  # results written before the default frequency: every step
+    with_ = ("the launcher's default frequency" if every == "auto"
+             else f"`--ft-snapshot-every {every}`")
+    label = "the default frequency" if every == "auto" else \
+        "a snapshot every step" if every == "1" else f"--ft-snapshot-every {every}"
     return [f"### `{name}`", "",
             "Written by `scripts/bench/snapshot_overhead.py`: a training run of "
             f"{st['ranks']} ranks (gloo) with {st['mb_per_rank']} MB of state per rank, "
             f"{where}, and {step}; run without snapshots and with "
-            "`--ft-snapshot-every 1` in alternating pairs; the step loop's wall time, first "
+            f"{with_} in alternating pairs; the step loop's wall time, first "
             "step excluded.", "",
             f"- date: {doc['date']}",
             f"- machine: {m['cpus']} CPUs, {m['memory_gib']} GiB"
@@ -445,11 +450,11 @@ def _snapshot_overhead_section(name: str) -> list[str]:
             f"- command: `{doc['command']}`", "",
             "| measure | median (min–max) over pairs |", "|---|---|",
             f"| loop without snapshots, s | {_spread([p['without_s'] for p in doc['pairs']])} |",
-            f"| loop with a snapshot every step, s | "
+            f"| loop with {label}, s | "
             f"{_spread([p['with_s'] for p in doc['pairs']])} |",
             f"| overhead, % (with / without - 1, per pair; {len(pct)} pairs) | "
             f"{_spread(pct, 1)} |",
-            f"| overhead from the third step on (both slots claimed), % | "
+            f"| overhead from the third step on (slots claimed), % | "
             f"{_spread([p['steady_overhead'] * 100 for p in doc['pairs']], 1)} |", ""]
 
 
