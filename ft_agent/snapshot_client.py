@@ -169,8 +169,10 @@ class SnapshotAgent:
         if status.started and at_once:
             self.store.wait()
             self._check_last_write()
+        # A skipped grid point counts as this rank's too: trying again at the next call
+        # would snapshot an iteration the other ranks did not, and keep it off the grid.
+        self.last = (iteration, wall)
         if status.started:
-            self.last = (iteration, wall)
             self.taken += 1
             self.meter.copy(status.copy_s)
         else:

@@ -215,16 +215,6 @@ def agent(directory: Path, every: str = "1", memory: int | None = None,
     return SnapshotAgent(settings, lambda what, msg: sent.append(json.loads(msg))), sent
 
 
-def taken(a: SnapshotAgent, state: dict, iteration: int) -> store.SnapshotStatus | None:
-    """``a.snapshot``, once more after a claim of fresh memory (which the step never waits
-    for: the first snapshot of a process is a claim in the background)."""
-    status = a.snapshot(state, iteration)
-    if status is not None and status.reason == "claim":
-        a.store.wait()
-        status = a.snapshot(state, iteration)
-    return status
-
-
 def test_agent_honours_frequency_and_reports_budget_skips(tmp_path):
     a, sent = agent(tmp_path / "r0", every="3", memory=1000)
     first = a.snapshot({"w": torch.zeros(10)}, 1)
@@ -243,9 +233,8 @@ def test_agent_honours_frequency_and_reports_budget_skips(tmp_path):
 
 def test_agent_restores_the_chosen_iteration_and_refuses_a_corrupt_one(tmp_path):
     a, _ = agent(tmp_path / "r0")
-    for it in (1, 2):
-        assert taken(a, {"w": torch.full((4,), float(it))}, it).started
-        a.store.wait()
+    for it in (1, 2):  # at once: written before it returns, its slot claimed first
+        assert a.snapshot({"w": torch.full((4,), float(it))}, it, at_once=True).started
     a.close()
     b, sent = agent(tmp_path / "r0", iteration=1)
     state, it = b.restore()
@@ -394,11 +383,8 @@ def test_lightning_state_round_trips_through_a_snapshot(tmp_path):
             self.at_start = module.layer.weight.detach().clone()
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-            status = snapshot_fit_state(self.client, trainer, module, 2)
+            snapshot_fit_state(self.client, trainer, module, 2)
             if self.client.store is not None:
-                self.client.store.wait()
-            if status is not None and status.reason == "claim":  # the first: memory first
-                snapshot_fit_state(self.client, trainer, module, 2)
                 self.client.store.wait()
 
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(16, 4)),
@@ -410,7 +396,8 @@ def test_lightning_state_round_trips_through_a_snapshot(tmp_path):
     module = Module(0)
     pl.Trainer(max_steps=4, callbacks=[Hook(first)], **kw).fit(module, data)
     first.close()
-    assert store.available_iterations(tmp_path / "r0") == [2, 4]
+    # step 2's snapshot claimed the slot's memory (the step never waits for it): 4 is taken
+    assert store.available_iterations(tmp_path / "r0") == [4]
     second, sent = agent(tmp_path / "r0", iteration=4)
     hook = Hook(second)
     trainer = pl.Trainer(max_steps=6, callbacks=[hook], **kw)
@@ -521,7 +508,7 @@ def test_a_write_in_flight_at_exit_is_finished_within_a_bound(tmp_path):
             "s = c.snapshot({'w': torch.ones(20_000_000)}, 1)\n"
             "assert s.reason == 'claim', s\n"
             "c._snapshots.store.wait()\n"
-            "s = c.snapshot({'w': torch.ones(20_000_000)}, 1)\n"
+            "s = c.snapshot({'w': torch.ones(20_000_000)}, 2)\n"
             "assert s.started, s\n"
             "print('busy' if c._snapshots.store._busy() else 'done', flush=True)\n")
     env = {**os.environ, "FT_ENDPOINT": "ipc:///nonexistent", "FT_SNAPSHOT_EVERY": "1",
@@ -531,7 +518,7 @@ def test_a_write_in_flight_at_exit_is_finished_within_a_bound(tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() in ("busy", "done")
     # ... and is finished at exit: its snapshot is there, whole and checked
-    assert store.available_iterations(tmp_path / "r0") == [1]
+    assert store.available_iterations(tmp_path / "r0") == [2]
 
 
 JSON_VALUES = st.recursive(
