@@ -44,6 +44,7 @@ ALIGN = 64
 COMMIT_KIND = "ft-snapshot-commit"
 
 MAX_HEADER_BYTES = 64 * 2**20
+HEADER_STEP = 4096
 MAX_COMMIT_BYTES = 64 * 2**20
 MAX_DEPTH = 64
 MAX_TENSORS = 1_000_000
@@ -178,10 +179,21 @@ def align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+def header_room(n: int) -> int:
+    """The header's length once padded: ``n`` rounded up to a step of at least 4 KiB and
+    an eighth of ``n``. The values beside the tensors (a step count, a growing log) change
+    the header's length from one snapshot to the next; padded, the file's size stays the
+    same, so the slot's memory, claimed at that size, is reused instead of claimed again
+    (a snapshot skipped) each time."""
+    step = max(HEADER_STEP, 1 << max(n.bit_length() - 3, 0))
+    return -(-n // step) * step
+
+
 def layout(iteration: int, tree: Any, specs: list[tuple[str, tuple[int, ...], int]]
            ) -> tuple[bytes, list[TensorSpec], int]:
-    """The prefix + header bytes, each tensor's place and the file's total size, for
-    tensors given as (dtype name, shape, nbytes)."""
+    """The prefix + header bytes (the JSON padded with spaces to ``header_room``), each
+    tensor's place and the file's total size, for tensors given as (dtype name, shape,
+    nbytes)."""
     # The offsets depend on the header's length, which depends on the offsets' digits:
     # lay out again until the header's length settles (two passes, rarely three).
     header_len, placed, total = 0, [], 0
@@ -196,6 +208,7 @@ def layout(iteration: int, tree: Any, specs: list[tuple[str, tuple[int, ...], in
             "iteration": iteration, "byteorder": "little", "tree": tree,
             "tensors": [[s.dtype, list(s.shape), s.offset, s.nbytes] for s in placed],
         }, separators=(",", ":"), allow_nan=False).encode()
+        body += b" " * (header_room(len(body)) - len(body))
         if align(PREFIX.size + len(body)) == start:
             prefix = PREFIX.pack(MAGIC, VERSION, 0, len(body), total - PREFIX.size - len(body))
             return prefix + body, placed, total

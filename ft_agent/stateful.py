@@ -110,9 +110,10 @@ def snapshot_stateful(app_state: Mapping[str, Any], step: int,
                       client: RankMonitorClient | None = None) -> Any:
     """Offer ``{name: obj.state_dict()}`` of ``app_state`` as the snapshot of ``step``.
 
-    Call it after every step: the launcher's ``--ft-snapshot-every`` decides which calls
-    take one. Returns ``client.snapshot``'s status (None when none was taken). ``client``:
-    default, the process-wide ``ft_agent.get_client()``, connected if it is not.
+    Call it after every step: the frequency the ranks agree on through the launcher (or
+    its ``--ft-snapshot-every``) decides which calls take one. Returns
+    ``client.snapshot``'s status (None when none was taken). ``client``: default, the
+    process-wide ``ft_agent.get_client()``, connected if it is not.
     """
     _check(app_state)
     state = {name: obj.state_dict() for name, obj in app_state.items()}

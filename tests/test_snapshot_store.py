@@ -424,8 +424,9 @@ def test_arbitrary_headers_parse_or_raise_snapshot_error(tree, tensors) -> None:
 
 def test_over_the_memory_budget_is_skipped_and_writes_nothing(tmp_path: Path) -> None:
     d = tmp_path / "r"
-    state = {"w": torch.zeros(1000)}  # 4000 bytes: a slot file of 4000 + its header
-    with SnapshotStore(d, memory_budget=10_000) as store:
+    # 4000 bytes: a slot file of 4000 + its header (padded to 4 KiB), about 8.2 KB
+    state = {"w": torch.zeros(1000)}
+    with SnapshotStore(d, memory_budget=20_000) as store:
         written(store, state, 1)  # slot a's file <= budget
         written(store, state, 2)  # slot b's file + slot a's file <= budget
         status = store.snapshot({"w": torch.zeros(2000)}, 3)  # 8000 + a's file > budget
@@ -450,6 +451,23 @@ def test_the_other_slot_is_claimed_in_the_background_within_the_budget(
     with SnapshotStore(tmp_path / "s", memory_budget=2 * one_slot - 1) as store:
         written(store, state, 1)
         assert not (tmp_path / "s" / "slot_b.bin").exists()
+
+
+def test_a_growing_value_beside_the_tensors_reuses_the_claimed_slots(tmp_path: Path) -> None:
+    """A trainer's state carries values that grow every few steps (a log history): the
+    slot files keep their size, so no snapshot is skipped to claim memory again."""
+    d = tmp_path / "r"
+    w = torch.ones(1000)
+    with SnapshotStore(d) as store:
+        written(store, {"w": w, "log": []}, 1)
+        store.wait()  # the second slot, claimed after the first commit
+        for i in range(2, 40):
+            status = store.snapshot({"w": w, "log": [{"step": s, "loss": 1 / (s + 1)}
+                                                     for s in range(i)]}, i)
+            assert status.started, status
+            store.wait()
+        sizes = {os.stat(d / f"slot_{s}.bin").st_size for s in "ab"}
+    assert len(sizes) == 1 and load(d).state["log"][-1]["step"] == 38
 
 
 def test_one_write_in_flight_a_second_is_skipped_as_busy_or_waits(tmp_path: Path) -> None:

@@ -216,7 +216,7 @@ def agent(directory: Path, every: str = "1", memory: int | None = None,
 
 
 def test_agent_honours_frequency_and_reports_budget_skips(tmp_path):
-    a, sent = agent(tmp_path / "r0", every="3", memory=1000)
+    a, sent = agent(tmp_path / "r0", every="3", memory=10_000)  # 2 slots of 40 B + header
     first = a.snapshot({"w": torch.zeros(10)}, 1)
     assert first.reason == "claim"  # the slot's memory, claimed in the background
     a.store.wait()

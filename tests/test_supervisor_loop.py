@@ -378,8 +378,9 @@ def test_all_ranks_exit_zero_succeeds_and_waits_at_the_exit_barrier(tmp_path):
     code, events = h.run()
     assert code == 0
     assert names(events) == [
-        "launcher_started", "rendezvous_done", "workers_started", "training_started",
-        "worker_exited", "worker_exited", "decision", "launcher_exited"]
+        "launcher_started", "rendezvous_done", "snapshots_ready", "snapshot_picked",
+        "workers_started", "training_started", "worker_exited", "worker_exited", "decision",
+        "launcher_exited"]
     assert h.rdzv.barrier == [True] and h.rdzv.closed is True
 
 
