@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Run the test suite N times in a row (default 3) while busy loops keep every core busy,
 # to prove the suite's timing bounds hold on a loaded machine. Extra arguments go to pytest
-# (e.g. -m "not slow" for the fast tier). Prints each run's result and duration; exits
-# non-zero when any run failed.
+# (e.g. -m "not slow" for the fast tier). Prints each run's result and duration, and the
+# failed tests of a failed run; each run's whole log is kept in a fresh directory under /tmp
+# (printed first). Exits non-zero when any run failed.
 #
 #   scripts/suite_under_load.sh            # the whole suite, 3 times, under load
 #   RUNS=1 scripts/suite_under_load.sh -m "not slow"
@@ -18,15 +19,18 @@ for _ in $(seq "$cores"); do
   python3 -c 'while True: pass' &
   burners+=("$!")
 done
-echo "load: ${#burners[@]} busy loops on $cores cores"
+logs=$(mktemp -d /tmp/suite_under_load.XXXXXX)
+echo "load: ${#burners[@]} busy loops on $cores cores; logs in $logs"
 failed=0
 for i in $(seq "$runs"); do
   start=$(date +%s)
-  if python -m pytest -q -p no:cacheprovider "$@" > "/tmp/suite_under_load_$i.log" 2>&1; then
+  log="$logs/run_$i.log"
+  if python -m pytest -q -p no:cacheprovider "$@" > "$log" 2>&1; then
     status=passed
   else
     status=FAILED; failed=1
   fi
-  echo "run $i: $status in $(( $(date +%s) - start )) s ($(tail -n 1 "/tmp/suite_under_load_$i.log"))"
+  echo "run $i: $status in $(( $(date +%s) - start )) s ($(tail -n 1 "$log"))"
+  grep -E '^(FAILED|ERROR) ' "$log" || true
 done
 exit "$failed"

@@ -203,7 +203,7 @@ def test_sigkill_of_launcher_leaves_no_worker(run_dir):
 @pytest.mark.timeout(240)
 def test_twenty_crash_restarts_in_a_row(run_dir):
     """torchrun's own restart of a 2-rank gloo job often fails to re-form the group."""
-    res = run_launcher(run_dir, "--nproc-per-node", "2", "--max-restarts", "20",
+    res = run_launcher(run_dir, *TORCH_PRELOAD, "--nproc-per-node", "2", "--max-restarts", "20",
                        str(SCRIPTS / "crash_loop.py"), "20", timeout=220)
     assert res.returncode == 0, res.stdout[-3000:]
     s = summary(run_dir)

@@ -132,7 +132,7 @@ def _compute_times(out: Path, rank: int) -> list[tuple[float, float]]:
 
 
 def _slowed_run(tmp_path: Path, work: str, idle: str) -> dict:
-    """rank_slow:factor=3 on rank 1 of 2, 2 s after training starts; the run stops 60 of
+    """rank_slow:factor=3 on rank 1 of 2, 2 s after training starts; the run stops 30 of
     rank 1's steps after the report (or at its cap). Returns the medians and the steps."""
     run_dir, out = tmp_path / "run", tmp_path / "out"
     cmd = launcher_cmd(run_dir, *TORCH_PRELOAD, "--nproc-per-node", "2",
@@ -145,7 +145,7 @@ def _slowed_run(tmp_path: Path, work: str, idle: str) -> dict:
         deadline = time.monotonic() + 40
         while proc.poll() is None and time.monotonic() < deadline:
             found = [e for e in named(events(run_dir), "straggler_detected") if e["rank"] == 1]
-            if found and sum(ts > found[0]["ts"] for ts, _ in _compute_times(out, 1)) >= 60:
+            if found and sum(ts > found[0]["ts"] for ts, _ in _compute_times(out, 1)) >= 30:
                 break
             time.sleep(0.2)
         out.mkdir(parents=True, exist_ok=True)
@@ -228,7 +228,7 @@ def _plain_rows(out: Path, rank: int) -> list[list[float]]:
     return [[float(x) for x in r[1:]] for r in rows if len(r) == 5]
 
 
-def _throttled_run(tmp_path: Path, idle: float, steps: int = 150) -> dict:
+def _throttled_run(tmp_path: Path, idle: float, steps: int = 60) -> dict:
     """rank_slow:factor=3 on rank 1 of 2 of a plain script (~10 ms of compute, then ``idle``
     seconds of sleep), 2 s after spawn (a warm fork is past its imports by then); ``steps``
     steps after the onset, then the stop file. Medians over the same steps of both ranks."""

@@ -114,6 +114,7 @@ def test_rank_killed_resumes_from_the_snapshots(tmp_path: Path):
     assert_resumed_from_snapshot(run_dir)
 
 
+@pytest.mark.slow  # the restore is the kill case's; the hang verdict is test_monitoring's
 def test_rank_hung_resumes_from_the_snapshots(tmp_path: Path):
     run_dir = tmp_path / "run"
     proc = run_launcher(run_dir, "--nproc-per-node", "2", "--max-restarts", "2", *FAST_STOP,

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from launch_helpers import wait_for
+from launch_helpers import TORCH_PRELOAD, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parent / "node_worker.py"
@@ -111,8 +111,9 @@ class Nodes:
 
     def start(self, name: str, *extra: str, env: dict[str, str] | None = None) -> int:
         self.out.mkdir(parents=True, exist_ok=True)
-        cmd = [*LAUNCHER, "--ft-run-dir", str(self.base / name), *self.common, *extra,
-               str(WORKER), str(self.out)]
+        # node_worker.py imports torch alone (a gloo group): the zygote needs nothing more.
+        cmd = [*LAUNCHER, "--ft-run-dir", str(self.base / name), *TORCH_PRELOAD, *self.common,
+               *extra, str(WORKER), str(self.out)]
         log = open(self.base / f"{name}.log", "w")  # the child keeps its own copy
         self.procs[name] = subprocess.Popen(
             cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,

@@ -15,10 +15,12 @@ from pathlib import Path
 
 import psutil
 import pytest
+from launch_helpers import NO_PRELOADS
 
 from .conftest import TRAIN, WRAPPER, SlurmJobs
 
-LAUNCH = ("--nproc-per-node", "1", "--max-restarts", "0")
+# slurm_train.py imports no torch: the zygote preloads nothing.
+LAUNCH = (*NO_PRELOADS, "--nproc-per-node", "1", "--max-restarts", "0")
 
 
 def train(jobs: SlurmJobs, mode: str, *extra: str) -> tuple[str, ...]:
