@@ -128,6 +128,9 @@ def test_rank_hung_resumes_from_the_snapshots(tmp_path: Path):
     assert_resumed_from_snapshot(run_dir)
 
 
+# Slow tier: a corrupted copy refused by its checks is test_snapshot_replica's (a replica)
+# and test_snapshots.py's (a rank's own); this is the launcher's choice falling back to disk.
+@pytest.mark.slow
 def test_corrupt_snapshot_is_rejected_and_the_disk_checkpoint_used(tmp_path: Path):
     run_dir = tmp_path / "run"
     proc = run_launcher(run_dir, "--nproc-per-node", "2", "--max-restarts", "2", *FAST_STOP,

@@ -16,8 +16,8 @@ launcher the script is the same plain HF script. Modes:
   from the test extras, in this environment: the script needs transformers) with
   ``--standalone --ft-enable-nic-monitor false``;
 - ours-callback: ours, the script with ``--ft-callback`` (ft_agent.transformers'
-  FaultToleranceCallback: a snapshot offered after every step) and, until snapshots are on
-  by default, ``--ft-snapshot-every 1`` (``--snapshot-every default`` passes nothing).
+  FaultToleranceCallback: a snapshot offered after every step) and the launcher's default
+  snapshot frequency (``--snapshot-every N`` passes ``--ft-snapshot-every N``).
 
 In each run rank 1 is SIGKILLed ``faults`` times, each time ``settle_s`` seconds after
 every rank took its first step of the current cycle (the delays vary, so the kills land at
@@ -81,7 +81,7 @@ class Settings:
     repeat: int = 1
     start_bound_s: float = 180.0  # launcher start -> every rank's first step
     recovery_bound_s: float = 60.0  # a kill -> every rank's first step of the next cycle
-    snapshot_every: str = "1"  # ours-callback's --ft-snapshot-every ("default": not given)
+    snapshot_every: str = "default"  # ours-callback's --ft-snapshot-every ("default": none)
 
 
 SHORT = Settings(faults=2, settle_s=(4.0, 5.0))
@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=1, help="runs per mode, interleaved [1]")
     p.add_argument("--short", action="store_true", help=f"{SHORT.faults} kills a run")
     p.add_argument("--snapshot-every", default=None, metavar="EVERY",
-                   help="ours-callback's --ft-snapshot-every, or 'default' for none [1]")
+                   help="ours-callback's --ft-snapshot-every, or 'default' for none [default]")
     p.add_argument("--out", default=None, help="the JSON result [scripts/bench/hf_trainer.json; "
                    "--short: a temporary file]")
     p.add_argument("--keep-runs", action="store_true", help="keep each run's directory")

@@ -586,6 +586,42 @@ def hf_trainer_section(doc: dict[str, Any], name: str) -> list[str]:
     return out + [""]
 
 
+def _learned_preload_sections() -> list[str]:
+    out = []
+    for name in sorted(p.name for p in BENCH.glob("learned_preloads*.json")):
+        out += learned_preload_section(_load(name), name)
+    return out
+
+
+def learned_preload_section(doc: dict[str, Any], name: str) -> list[str]:
+    """A result of scripts/bench/learned_preloads.py: learned preloads against none learned."""
+    pairs = doc["pairs"]
+    learned = [p["learned"] for p in pairs]
+    out = [f"## Learned preloads against the preloads alone (`{name}`)", "",
+           "Written by `scripts/bench/learned_preloads.py`: "
+           f"{doc['workload']} under ft_launcher with its defaults (learned preloads on) "
+           "and with `--no-ft-preload-learn`, in pairs whose order alternates; "
+           f"{len(pairs)} pairs. PSS is the launcher's and every process under it, sampled "
+           "through the run. A ratio is learned ÷ not learned per pair (< 1: learning costs "
+           "less).", "",
+           f"- date: {doc['started']}",
+           f"- machine: {_machine_line(doc['machine'])}",
+           f"- command: `{doc['command']}`",
+           f"- runs that failed: {doc['failed_runs']}",
+           f"- modules learned per run: {_spread([r['learned_modules'] for r in learned], 0)}; "
+           f"the learner's CPU per run, s: {_spread([r['learner_cpu_s'] for r in learned])}",
+           "", "| figure | learned | not learned | ratio per pair |", "|---|---|---|---|"]
+    labels = {"wall_s": "wall time, s", "pss_mean_mb": "PSS, mean over the run, MB",
+              "pss_peak_mb": "PSS, peak, MB"}
+    for key, label in labels.items():
+        ratios = [p["learned"][key] / p["not-learned"][key] for p in pairs
+                  if p["learned"].get(key) and p["not-learned"].get(key)]
+        out.append(f"| {label} | {_spread([p['learned'][key] for p in pairs])} | "
+                   f"{_spread([p['not-learned'][key] for p in pairs])} | "
+                   f"{_spread(ratios, 3)} |")
+    return out + [""]
+
+
 FAULT_KINDS = {
     "kill": "SIGKILL of a rank",
     "stop": "SIGSTOP of a rank (hang)",
@@ -626,6 +662,7 @@ def benchmarks_page() -> str:
     lines += _replica_sections()
     lines += _soak_sections()
     lines += _hf_trainer_sections()
+    lines += _learned_preload_sections()
     text = "\n".join(lines)
     return text.rstrip("\n") + "\n"
 

@@ -12,6 +12,8 @@ steps applied, so a step counted twice (or lost) shows in it. Rank CKPT_RANK (de
 writes OUT_DIR/ckpt.json every K steps and at the end, and appends each write, with the
 writer's identity (node, cycle, rendezvous round, pid), to OUT_DIR/ckpt_log.jsonl; a new
 world resumes from rank 0's reading of ckpt.json. TOTAL_STEPS=N: the job ends after step N-1.
+CKPT_NODE / PAUSE_NODE: the rank on that node (by its run directory's name) instead, while
+the node is in the world (which rank a node gets is the rendezvous's choice).
 PAUSE_RANK / PAUSE_STEP: that rank, once per job, stops between that step's all-reduce and its
 writes (OUT_DIR/paused.json says so) until OUT_DIR/frozen exists (at most 150 s): the moment a
 frozen node's worker must not resume into.
@@ -47,6 +49,23 @@ ckpt_every = int(os.environ.get("CKPT_EVERY", "0"))
 ckpt_rank = int(os.environ.get("CKPT_RANK", "0"))
 total_steps = int(os.environ.get("TOTAL_STEPS", "0"))  # 0: until OUT_DIR/stop
 pause = (os.environ.get("PAUSE_RANK"), os.environ.get("PAUSE_STEP"))
+
+
+def rank_on(name: str | None, default: int | None) -> int | None:
+    """The rank of this world on node ``name`` (every rank takes part), else ``default``."""
+    if not name:
+        return default
+    mine = torch.zeros(world, dtype=torch.int64)
+    mine[rank] = 1 if node == name else 0
+    dist.all_reduce(mine)
+    on = [r for r in range(world) if mine[r]]
+    return on[0] if on else default
+
+
+ckpt_rank = rank_on(os.environ.get("CKPT_NODE"), ckpt_rank)
+if os.environ.get("PAUSE_NODE"):
+    paused_rank = rank_on(os.environ["PAUSE_NODE"], None)
+    pause = (None if paused_rank is None else str(paused_rank), pause[1])
 me = {"node": node, "cycle": cycle, "round": int(os.environ.get("FT_RDZV_ROUND", "-1")),
       "pid": os.getpid()}
 fd = os.open(out / "steps.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)

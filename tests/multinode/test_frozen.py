@@ -45,14 +45,15 @@ def _trained(nodes: Nodes, node: str, world: int, min_step: int = 0) -> bool:
 def test_a_frozen_node_is_dropped_and_once_thawed_writes_nothing_and_waits_as_spare(nodes):
     port = free_ports(1)[0]
     nodes.common = c10d_common(port, "2:2", "frozen")
-    nodes.env = {"CKPT_EVERY": str(CKPT_EVERY), "CKPT_RANK": "1",
-                 "TOTAL_STEPS": str(TOTAL_STEPS), "PAUSE_RANK": "1",
+    # b's rank writes the checkpoints and pauses (a hosts the store: it is never frozen).
+    nodes.env = {"CKPT_EVERY": str(CKPT_EVERY), "CKPT_RANK": "1", "CKPT_NODE": "b",
+                 "TOTAL_STEPS": str(TOTAL_STEPS), "PAUSE_NODE": "b",
                  "PAUSE_STEP": str(PAUSE_STEP), "STEP_S": "0.03",
                  # The paused rank holds its peer in an all-reduce until the spare is ready
                  # (slow on a loaded machine): gloo must not time out first.
                  "GLOO_TIMEOUT_S": "180"}
     out = nodes.out
-    nodes.start("a")  # hosts the store, and (lowest launcher pid) holds rank 0
+    nodes.start("a")  # hosts the store
     wait_until(lambda: _listening(port), 60, "a to host the store")
     nodes.start("b")
     wait_until(lambda: _trained(nodes, "a", 2) and _trained(nodes, "b", 2), 120,
@@ -63,7 +64,7 @@ def test_a_frozen_node_is_dropped_and_once_thawed_writes_nothing_and_waits_as_sp
     # 1. Node b's rank stops between step 29's all-reduce and its writes: freeze node b.
     paused = wait_until(lambda: (out / "paused.json").exists() and
                         json.loads((out / "paused.json").read_text()), 120, "b's rank to pause")
-    assert paused["node"] == "b", f"rank 1 (the checkpoint writer) is not on b: {paused}"
+    assert paused["node"] == "b", f"the paused rank is not b's: {paused}"
     b_round = nodes.events("b", "rendezvous_done")[-1]["round"]
     frozen = nodes.freeze("b")
     stopped_at = time.time()
