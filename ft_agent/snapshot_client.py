@@ -179,12 +179,18 @@ class SnapshotAgent:
             self._skipped(iteration, status.reason or "busy", status.bytes, now)
         return status
 
-    def restore(self) -> tuple[Any, int] | None:
-        """The state and iteration the launcher chose for this cycle, or None."""
+    def restore(self, newer_than: int | None = None) -> tuple[Any, int] | None:
+        """The state and iteration the launcher chose for this cycle, or None (also when
+        the choice is not newer than ``newer_than``: nothing is read or reported)."""
         from ft_agent import snapshot as store  # noqa: PLC0415
 
         iteration = self.settings.iteration
         if iteration is None or self.restored:
+            return None
+        if newer_than is not None and iteration <= newer_than:
+            self.restored = True
+            log.info("snapshot of iteration %d not restored: the training starts at %d",
+                     iteration, newer_than)
             return None
         try:
             snap = store.load(self.settings.directory, iteration)
@@ -317,12 +323,13 @@ class SnapshotMixin:
         agent = self._snapshot_agent()
         return None if agent is None else agent.snapshot(state, int(iteration), at_once)
 
-    def restore(self) -> tuple[Any, int] | None:
+    def restore(self, newer_than: int | None = None) -> tuple[Any, int] | None:
         """In a new cycle: ``(state, iteration)`` of the newest iteration every rank of the
         world holds a checked copy of (the launcher chose it before the rank started), else
-        None. Tensors come back on the CPU. Call it once, after
-        ``init_workload_monitoring``. Raises ``SnapshotError`` when the chosen copy fails
-        its checks here: the rank must not go on (the others restore that iteration); the
-        launcher's next cycle chooses again without that copy."""
+        None. Tensors come back on the CPU. With ``newer_than`` (the step a disk checkpoint
+        already loaded), a snapshot not newer is neither read nor reported as restored.
+        Call it once, after ``init_workload_monitoring``. Raises ``SnapshotError`` when
+        the chosen copy fails its checks here: the rank must not go on (the others restore
+        that iteration); the launcher's next cycle chooses again without that copy."""
         agent = self._snapshot_agent()
-        return None if agent is None else agent.restore()
+        return None if agent is None else agent.restore(newer_than)

@@ -132,12 +132,10 @@ def restore_stateful(app_state: Mapping[str, Any], newer_than: int | None = None
     ``SnapshotError`` when the chosen copy fails its checks (see ``RankMonitorClient.restore``).
     """
     _check(app_state)
-    restored = _client(client).restore()
+    restored = _client(client).restore(newer_than)
     if restored is None:
         return None
     state, step = restored
-    if newer_than is not None and step <= newer_than:
-        return None
     if not isinstance(state, Mapping):
         raise ValueError(f"the snapshot of step {step} is not a dict of states")
     missing = [name for name in app_state if name not in state]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import json
 import random
 import shutil
 import subprocess
@@ -48,15 +49,18 @@ def _example() -> Any:
 EXAMPLE = _example()
 
 
-def agent(directory: Path, iteration: int | None = None) -> SnapshotAgent:
+def agent(directory: Path, iteration: int | None = None,
+          sent: list[str] | None = None) -> SnapshotAgent:
     """A rank's snapshot side as the launcher sets it up: a snapshot offered at every
-    step, and ``iteration`` the one to restore in this cycle (the launcher's choice)."""
+    step, and ``iteration`` the one to restore in this cycle (the launcher's choice);
+    the kinds of its reports to the launcher go to ``sent``."""
     settings = settings_from_env({"FT_SNAPSHOT_DIR": str(directory), "FT_SNAPSHOT_EVERY": "1",
                                   "FT_SNAPSHOT_MEMORY": "0",
                                   "FT_SNAPSHOT_ITERATION": "none" if iteration is None
                                   else str(iteration)})
     assert settings is not None
-    return SnapshotAgent(settings, lambda what, message: None)
+    return SnapshotAgent(settings, lambda what, message: sent is not None
+                         and sent.append(json.loads(message)["kind"]))
 
 
 class Monitorless:
@@ -99,8 +103,8 @@ class Monitorless:
             self.snapshots.store.wait()
         return status
 
-    def restore(self) -> Any:
-        return self.snapshots.restore() if self.snapshots is not None else None
+    def restore(self, newer_than: int | None = None) -> Any:
+        return self.snapshots.restore(newer_than) if self.snapshots is not None else None
 
     def kinds(self, kind: str) -> list[int | None]:
         return [it for k, it in self.sent if k == kind]
@@ -359,9 +363,14 @@ def test_stateful_restore_rules(tmp_path):
     assert snapshot_stateful({"a": Counter(5)}, 4, client=writer).started
     writer.snapshots.close()
 
-    older = {"a": Counter()}
-    assert restore_stateful(older, newer_than=4, client=agent(tmp_path / "r0", 4)) is None
-    assert older["a"].n == 0  # a checkpoint of step 4 is loaded already: nothing changes
+    older, sent = {"a": Counter()}, []
+    assert restore_stateful(older, newer_than=4, client=agent(tmp_path / "r0", 4, sent)) is None
+    # A checkpoint of step 4 is loaded already: nothing changes, nothing is reported
+    # restored (the launcher's record would otherwise name a step the training did not take).
+    assert older["a"].n == 0 and sent == []
+    sent = []
+    assert restore_stateful(older, newer_than=3, client=agent(tmp_path / "r0", 4, sent)) == 4
+    assert older["a"].n == 5 and sent == ["restored"]
     with pytest.raises(ValueError, match="holds no state for 'b'"):
         restore_stateful({"a": Counter(), "b": Counter()}, client=agent(tmp_path / "r0", 4))
     with pytest.raises(TypeError, match=r"app_state\['w'\]: Tensor has no state_dict"):
