@@ -221,6 +221,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_two_launchers_on_loopback_form_one_world_and_restart_together(tmp_path, run_dir):
     """Two nodes through torch's c10d rendezvous; a worker failure on node B restarts both."""

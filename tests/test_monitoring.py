@@ -215,6 +215,7 @@ def _wakeups(pid: int) -> int:
     raise AssertionError("no voluntary_ctxt_switches in /proc status")
 
 
+@pytest.mark.slow
 def test_a_launcher_watching_busy_ranks_wakes_a_few_times_a_second(run_dir):
     """Two ranks heartbeat at 20 Hz: the launcher reads their messages in batches and has
     nothing to poll on one node, so it wakes about 4 times a second (it woke at least 10

@@ -205,6 +205,7 @@ def test_newer_iterations_replace_the_older_copy_and_a_given_one_is_fetched(node
     assert not gone["ok"] and "iteration 1" in gone["reason"], gone
 
 
+@pytest.mark.slow
 def test_sender_killed_mid_transfer_leaves_the_previous_replica_whole(nodes):
     # The stall timeout is what the checks of the half-written slot below must beat (the
     # buddy drops it then): 3 s leaves them room on a loaded machine.
@@ -234,6 +235,7 @@ def test_sender_killed_mid_transfer_leaves_the_previous_replica_whole(nodes):
     assert same(load(rank_dir).state, make_state(2, MB))
 
 
+@pytest.mark.slow
 def test_replica_host_killed_mid_fetch_is_a_clear_failure(nodes, tmp_path):
     from ft_launcher.snapshots.replica import fetch
     a = nodes("a")
@@ -263,6 +265,7 @@ def test_replica_host_killed_mid_fetch_is_a_clear_failure(nodes, tmp_path):
     assert e.value.reason == "none"  # the partial slot was never committed
 
 
+@pytest.mark.slow
 def test_frozen_host_makes_fetch_and_push_fail_within_their_timeout(nodes, tmp_path):
     from ft_launcher.snapshots.replica import fetch, push
     a, b = nodes("a"), nodes("b")
@@ -333,6 +336,7 @@ def test_fetched_copy_is_checked_again_by_load(nodes, tmp_path):
     assert e.value.reason == "none" and "checksum" in e.value.rejected[0][1]
 
 
+@pytest.mark.slow
 def test_ring_of_three_nodes_survives_the_loss_of_any_one(nodes, tmp_path):
     from ft_launcher.snapshots.buddy import buddies
     names = ["n0", "n1", "n2"]
