@@ -300,7 +300,7 @@ class Cycle:
         self.note_training(state)
         self.maybe_inject(state)
         result = (self.check_signals() or self.check_controls() or self.check_exits()
-                  or self.stuck.check(self.group) or (may_judge and self.check_hang())
+                  or self.stuck.check(self.group) or (may_judge and self.check_hang(now))
                   or self.services.check())
         if result:
             return result
@@ -436,8 +436,14 @@ class Cycle:
         self.d.record.workers.append({"cycle": self.number, **record})
         return info
 
-    def check_hang(self) -> CycleResult | None:
-        verdict: HangVerdict | None = self.d.monitor.check(self.d.clock.monotonic())
+    def check_hang(self, read_at: float) -> CycleResult | None:
+        """A verdict on the ranks, unless the launcher itself was stopped since it began
+        reading its socket at ``read_at``: what the ranks sent meanwhile is still unread."""
+        now = self.d.clock.monotonic()
+        if self.d.monitor.behind(now - read_at, now):
+            self.d.events("launcher_stalled", late_s=round(now - read_at, 3), cause="paused")
+            return None
+        verdict: HangVerdict | None = self.d.monitor.check(now)
         if verdict is None:
             return None
         verdict = self.hang.respond(self.group, verdict)

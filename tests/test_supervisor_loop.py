@@ -135,6 +135,8 @@ class FakeMonitor:
         self.training = True
         self.silent: dict[int, float] = {}
         self.goodbyes: set[int] = set()
+        self.stop_after_read_at: float | None = None  # the launcher stopped after a read
+        self.unread = False
 
     def start_cycle(self, cycle: int, slots: list[Any], spawned: dict[int, float],
                     private_dir: Path, **callbacks: Any) -> None:
@@ -145,13 +147,21 @@ class FakeMonitor:
         if self.group is not None and self.group.stopped and self.controls_after_stop:
             self.controls += self.controls_after_stop
             self.controls_after_stop = []
+        if self.stop_after_read_at is not None and self.clock.now >= self.stop_after_read_at:
+            # SIGSTOPped right after this read, for 5 s: the rank's heartbeat read last is
+            # then past its timeout, and the ones it sent meanwhile wait unread.
+            self.stop_after_read_at = None
+            self.clock.now += 5.0
+            self.verdict_at, self.unread = self.clock.now, True
+        elif self.unread:
+            self.unread, self.verdict, self.verdict_at = False, None, None  # read now
         return 0, True
 
     def woke(self, planned: float, now: float) -> bool:
-        return now - planned > self.stall_over
+        return self.behind(now - planned, now)
 
     def behind(self, seconds: float, now: float) -> bool:
-        return False
+        return seconds > self.stall_over
 
     def next_deadline(self) -> float | None:
         return self.verdict_at
@@ -522,6 +532,17 @@ def test_a_launcher_stall_is_recorded_and_the_cycle_goes_on_while_the_round_stan
     stalled = only(events, "launcher_stalled")
     assert [(e["cause"], e["late_s"]) for e in stalled] == [("paused", 5.0)]
     assert names(events, "node_dropped") == []
+
+
+def test_a_stall_between_reading_and_judging_judges_no_one(tmp_path):
+    h = Harness(tmp_path)
+    h.monitor.verdict = HangVerdict(0, 0, "heartbeat", 2.0, 5.0)
+    h.monitor.stop_after_read_at = h.start + 1.0
+    h.at(10.0, lambda: (h.group.exit(0, 0), h.group.exit(1, 0)))
+    code, events = h.run()
+    assert code == 0 and names(events, "hang_detected") == []
+    stalled = only(events, "launcher_stalled")
+    assert [(e["cause"], e["late_s"]) for e in stalled] == [("paused", 5.0)]
 
 
 def test_a_node_dropped_during_a_stall_kills_its_workers_and_rejoins(tmp_path):

@@ -55,7 +55,7 @@ def _start_pair_and_spare(nodes: Nodes, run_id: str) -> None:
 
 def _check_restore_on_spare(nodes: Nodes, lost_at: float) -> dict:
     """The lost node's rank 1 restored from the replica a held, rank 0 at the same iteration,
-    at most one step behind the world's last step before the loss; a and c train on.
+    at most two steps behind the world's last step before the loss; a and c train on.
 
     Which of a and c takes which rank is torch's choice: it sorts the participants by
     address, then launcher pid. c usually takes rank 1, but took rank 0 once in CI, its pid
@@ -78,8 +78,11 @@ def _check_restore_on_spare(nodes: Nodes, lost_at: float) -> dict:
     assert {host, other} == {"a", "c"}
     assert one["source"] == "replica" and fetched
     assert picked and picked[-1]["iteration"] == one["iteration"]
-    # The snapshot of iteration i holds steps 0..i-1: at most one step is done again.
-    assert one["iteration"] >= last, (one, last)
+    # The snapshot of iteration i holds steps 0..i-1: one step is done again when the
+    # replica of the newest snapshot had arrived; two when its push was still in flight as
+    # the node was lost (seen under the whole suite with every core busy: the push of a
+    # snapshot runs behind its background commit, and both wait for a core).
+    assert one["iteration"] >= last - 1, (one, last)
     assert zero["iteration"] == one["iteration"]
     assert zero["source"] == ("local" if other == "a" else "replica")
     wait_until(lambda: [s for s in nodes.steps() if s["node"] == "c" and
