@@ -541,6 +541,7 @@ HF_MODES = {  # scripts/bench/hf_trainer.py's modes
     "torchrun": "torchrun",
     "nvrx": "NVRx 0.4.1",
     "ours-callback": "ours, the script with ft_agent's callback (snapshots)",
+    "ours-callback-each-step": "ours, the callback, a snapshot of every step",
 }
 
 
@@ -566,17 +567,19 @@ def hf_trainer_section(doc: dict[str, Any], name: str) -> list[str]:
            "- versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()),
            f"- processes left after the run: {len(doc['leftover_processes'])}", "",
            "| launcher | SIGKILL → first step of every rank, first kill, s | the same, later "
-           "kills, s | steps redone per kill | kills recovered |",
-           "|---|---|---|---|---|"]
+           "kills, s | steps redone per kill | kills recovered | step before the first kill, "
+           "ms |",
+           "|---|---|---|---|---|---|"]
     for mode in doc["modes"]:
         runs = doc["runs"][mode]
         kills = [f for r in runs for f in r["faults"]]
         first = [r["faults"][0]["recovery_s"] for r in runs if r["faults"]]
         later = [f["recovery_s"] for r in runs for f in r["faults"][1:]]
         recovered = sum(f["recovery_s"] is not None for f in kills)
+        step_ms = [r["step_s"] * 1000 for r in runs if r.get("step_s") is not None]
         out.append(f"| {HF_MODES.get(mode, mode)} | {_spread(first)} | {_spread(later)} | "
                    f"{_spread([f.get('redone') for f in kills], 0)} | {recovered} of "
-                   f"{s['faults'] * len(runs)} |")
+                   f"{s['faults'] * len(runs)} | {_spread(step_ms, 1)} |")
     out += ["", "Targets:", ""]
     for t in doc["targets"]:
         verdict = {True: "met", False: "not met", None: "not judged (figures missing)"}

@@ -28,14 +28,15 @@ def _bench() -> Any:
 BENCH = _bench()
 
 
-def kills(*figures: tuple[float | None, int | None]) -> dict[str, Any]:
-    return {"faults": [{"recovery_s": r, "redone": d} for r, d in figures]}
+def kills(*figures: tuple[float | None, int | None], step_s: float = 0.02) -> dict[str, Any]:
+    return {"faults": [{"recovery_s": r, "redone": d} for r, d in figures], "step_s": step_s}
 
 
 RUNS = {
     "ours": [kills((1.4, 30), (0.9, 12), (1.2, 40))],
     "torchrun": [kills((3.0, 20), (None, None))],
-    "ours-callback": [kills((1.1, 0), (0.8, 1), (0.7, 2))],
+    "ours-callback": [kills((1.1, 9), (0.8, 4), (0.7, 2), step_s=0.021)],
+    "ours-callback-each-step": [kills((1.1, 0), (0.8, 1), (0.7, 2), step_s=0.03)],
 }
 
 
@@ -44,6 +45,8 @@ def test_targets_name_what_is_met_and_what_is_not():
     assert "first kill" in first["target"] and "from the second on" in later["target"]
     assert (first["values"], first["met"]) == ([1.4], True)
     assert (later["values"], later["met"]) == ([0.9, 1.2], False)  # 1.2 s > 1.0 s
+    # Judged where every step is snapshot; the default frequency's interval is the budget's.
+    assert "every step" in redone["target"]
     assert (redone["values"], redone["met"]) == ([0, 1, 2], False)
     # A run cut short (fewer kills than planned) cannot meet "every kill".
     short = BENCH.targets({"ours": [kills((1.0, 3))]}, faults=3)
@@ -57,7 +60,8 @@ def test_summary_splits_the_first_kill_from_the_later_ones():
     assert summary["ours"]["later_recovery_s"] == {"median": 1.05, "min": 0.9, "max": 1.2,
                                                    "n": 2, "of": 2}
     assert summary["torchrun"]["later_recovery_s"] is None  # never recovered
-    assert summary["ours-callback"]["redone"]["max"] == 2
+    assert summary["ours-callback-each-step"]["redone"]["max"] == 2
+    assert summary["ours-callback"]["step_s"]["median"] == 0.021
 
 
 def test_the_rendered_section_has_a_row_per_launcher_and_the_targets():
@@ -71,6 +75,8 @@ def test_the_rendered_section_has_a_row_per_launcher_and_the_targets():
            "method": BENCH.method(settings)}
     text = "\n".join(render.hf_trainer_section(doc, "hf_trainer.json"))
     assert "## A Hugging Face Trainer killed 3 times a run (`hf_trainer.json`)" in text
-    assert "| ours, defaults | 1.40 | 1.05 (0.90–1.20) | 30 (12–40) | 3 of 3 |" in text
-    assert "| torchrun | 3.00 | — | 20 (20–20), 1 of 2 runs | 1 of 3 |" in text
+    assert "| ours, defaults | 1.40 | 1.05 (0.90–1.20) | 30 (12–40) | 3 of 3 | 20.0 |" in text
+    assert "| torchrun | 3.00 | — | 20 (20–20), 1 of 2 runs | 1 of 3 | 20.0 |" in text
+    assert "| ours, the callback, a snapshot of every step | 1.10 | 0.75 (0.70–0.80) | " \
+        "1 (0–2) | 3 of 3 | 30.0 |" in text
     assert "**not met** (0.9, 1.2)" in text and "**met** (1.4)" in text
