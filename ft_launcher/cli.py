@@ -389,8 +389,9 @@ CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 @click.option("--workers-exit-timeout", "workers_exit_timeout", type=Seconds(0.0, 86400.0),
               default=30.0, show_default=True,
               help="Seconds a rank that said goodbye may take to exit once a peer exited "
-                   "cleanly; then its stack is dumped, it is killed and the job succeeds "
-                   "(exit_stuck). 0: wait for it forever.")
+                   "cleanly or a rank announced its exit 16/17; then its stack is dumped, it "
+                   "is killed (exit_stuck) and the job succeeds, or goes on as the announced "
+                   "code says. 0: wait for it forever.")
 @click.option("--shutdown-timeout", "--shutdown_timeout", "shutdown_timeout",
               type=Seconds(0.0, 86400.0), default=None,
               help="torchrun's name for --term-timeout: seconds between the stop signal and "

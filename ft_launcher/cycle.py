@@ -30,7 +30,13 @@ from ft_launcher.hang.exit_watch import ExitWatch
 from ft_launcher.hang.monitor import RankSlot, monotonic_of, wall_of
 from ft_launcher.hang.response import HangResponse
 from ft_launcher.peers import PeerWatch
-from ft_launcher.policy import CycleResult, JobState, Outcome, WorkerExit
+from ft_launcher.policy import (
+    CycleResult,
+    JobState,
+    Outcome,
+    WorkerExit,
+    announced_exits,
+)
 from ft_launcher.process.workers import Worker, WorkerGroup, handles_signal
 from ft_launcher.rank_plan import cycle_env, plan_workers
 from ft_launcher.services.seam import CycleStart
@@ -142,9 +148,10 @@ def progress_iteration(cfg: LaunchConfig, monitor: Any, job: JobState) -> int | 
 
 
 class StuckExits:
-    """Ranks that said goodbye after a peer exited cleanly but do not exit themselves
-    (``exit_watch``): their stacks are dumped and the cycle succeeds (its teardown ends
-    them)."""
+    """Ranks that said goodbye in an ending cycle but do not exit themselves
+    (``exit_watch``): their stacks are dumped and the cycle ends (its teardown ends them):
+    it succeeded after a peer's clean exit, and failed as announced after an exit 16/17 was
+    announced (the policy judges the announcement)."""
 
     def __init__(self, d: CycleDeps, cycle: int, hang: HangResponse) -> None:
         self.d, self.cycle, self.hang = d, cycle, hang
@@ -152,15 +159,17 @@ class StuckExits:
 
     def check(self, group: GroupPort) -> CycleResult | None:
         workers = group.workers
-        stuck = self.watch.overdue(self.d.clock.monotonic(),
-                                   any(w.exit_code == 0 for w in workers),
+        exited_ok = any(w.exit_code == 0 for w in workers)
+        announced = bool(announced_exits(self.d.monitor.diagnoses))
+        stuck = self.watch.overdue(self.d.clock.monotonic(), exited_ok or announced,
                                    {w.rank for w in workers if w.alive},
                                    self.d.monitor.goodbye_ranks())
         if not stuck:
             return None
         self.hang.dump_stacks(group)
         self.d.events("exit_stuck", ranks=stuck, waited_s=self.watch.grace_s)
-        return CycleResult(self.cycle, Outcome.SUCCEEDED)
+        return CycleResult(self.cycle, Outcome.FAILED if announced and not exited_ok
+                           else Outcome.SUCCEEDED)
 
 
 class Cycle:

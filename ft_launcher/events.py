@@ -70,8 +70,9 @@ EVENTS: dict[str, EventDoc] = {
         "rank, what, message"),
     "rank_goodbye": EventDoc("cycle", "a rank shut its monitoring down cleanly", "rank"),
     "exit_stuck": EventDoc(
-        "cycle", "ranks said goodbye after a peer exited cleanly but did not exit within "
-        "waited_s; their stacks were dumped, they were killed and the cycle succeeded",
+        "cycle", "ranks said goodbye after a peer exited cleanly or a rank announced its "
+        "exit 16/17, but did not exit within waited_s; their stacks were dumped, they were "
+        "killed and the cycle succeeded (a clean exit) or ended as announced",
         "ranks, waited_s"),
     "workload_control": EventDoc(
         "cycle", "a rank asked the launcher to continue, exclude its node or shut down",

@@ -305,12 +305,16 @@ def _decide_hung(result: CycleResult, state: JobState) -> Decision:
     )
 
 
+def announced_exits(diagnoses: list[dict[str, Any]]) -> list[int]:
+    """The exit codes 16/17 that ranks announced in their diagnoses before exiting."""
+    return [d["exit_code"] for d in diagnoses
+            if d.get("exit_code") in (EXIT_RESUME_ELSEWHERE, EXIT_FAILED_VALIDATION)]
+
+
 def _decide_failed(result: CycleResult, state: JobState) -> Decision:
     # A rank that announced its exit 16/17 in a diagnosis but died otherwise (an abort on
     # the way out) is judged by what it announced.
-    codes = [f.exit_code for f in result.failures] + [
-        d.get("exit_code") for d in result.diagnoses
-        if d.get("exit_code") in (EXIT_RESUME_ELSEWHERE, EXIT_FAILED_VALIDATION)]
+    codes = [f.exit_code for f in result.failures] + announced_exits(result.diagnoses)
     if EXIT_RESUME_ELSEWHERE in codes:
         return _decide_16(state)
     if EXIT_FAILED_VALIDATION in codes:

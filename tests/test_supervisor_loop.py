@@ -679,6 +679,32 @@ def test_a_rank_that_said_goodbye_but_never_exits_is_ended_after_the_grace(tmp_p
     assert only(events, "decision")[0]["outcome"] == "succeeded"
 
 
+def test_ranks_that_announced_exit_17_but_never_exit_are_ended_and_judged_as_announced(
+        tmp_path):
+    # Both ranks of the rerun example deliver their verdict, say goodbye and then hang in
+    # their teardown (seen once in CI: no process exited, the job waited for ever).
+    h = Harness(tmp_path)
+    verdict = {"rank": 1, "state": "RERUNNING_FROM_CHECKPOINT", "exit_code": 17,
+               "fatal": True, "diagnostic": "CORRECT_RESULT", "iteration": 5}
+    h.at(4.0, lambda: (h.monitor.diagnoses.append(verdict), h.monitor.goodbyes.update({0, 1})))
+    code, events = h.run()
+    assert code == 17
+    stuck = only(events, "exit_stuck")
+    assert len(stuck) == 1 and stuck[0]["ranks"] == [0, 1]
+    assert h.clock.now - h.start == pytest.approx(4.0 + 30.0, abs=1.1)
+    decision = only(events, "decision")[0]
+    assert decision["outcome"] == "failed" and "--ft-skip-bad-iterations" in decision["reason"]
+
+
+def test_no_exit_wait_without_an_announced_exit(tmp_path):
+    h = Harness(tmp_path)
+    note = {"rank": 1, "state": "VALIDATING", "exit_code": None, "fatal": False}
+    h.at(4.0, lambda: (h.monitor.diagnoses.append(note), h.monitor.goodbyes.update({0, 1})))
+    h.at(100.0, lambda: (h.group.exit(0, 0), h.group.exit(1, 0)))
+    code, events = h.run()
+    assert code == 0 and not only(events, "exit_stuck")
+
+
 def test_a_rank_still_training_after_a_peer_exited_is_not_ended(tmp_path):
     h = Harness(tmp_path)
     h.at(4.0, lambda: h.monitor.goodbyes.add(0))

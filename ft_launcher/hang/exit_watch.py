@@ -1,10 +1,12 @@
 """Ranks whose training is over but whose process does not exit.
 
-A rank that said goodbye (it shut its monitoring down: training is over) while a peer of
-the cycle already exited cleanly has no collective left to wait for. When it is still alive
-``grace_s`` later its teardown is stuck: a process group's destructor, a thread joined at
-interpreter exit, a child it waits for. Left alone it would hold the job (and its nodes)
-forever; the cycle instead dumps its stack, says so, ends it and counts the job as done.
+A rank that said goodbye (it shut its monitoring down: training is over) has no collective
+left to wait for once the cycle is known to be ending: a peer already exited cleanly, or a
+rank announced its exit 16/17 in a diagnosis (the rerun state machine stops every rank).
+When it is still alive ``grace_s`` later its teardown is stuck: a process group's
+destructor, a thread joined at interpreter exit, a child it waits for. Left alone it would
+hold the job (and its nodes) forever; the cycle instead dumps its stack, says so and ends
+it: the job is done after a clean exit, and judged by the announced code otherwise.
 
 The rule is pure: the cycle passes what it sees and the time.
 """
@@ -21,18 +23,19 @@ EXIT_GRACE_S = 30.0
 
 @dataclass
 class ExitWatch:
-    """Tracks since when every live rank has said goodbye after a peer's clean exit."""
+    """Tracks since when every live rank has said goodbye in a cycle that is ending."""
 
     grace_s: float = EXIT_GRACE_S  # 0: never overdue (the launcher waits as long as it takes)
     since: float | None = None  # monotonic: when the wait began
 
-    def overdue(self, now: float, exited_ok: bool, alive: set[int],
+    def overdue(self, now: float, ending: bool, alive: set[int],
                 said_goodbye: set[int]) -> list[int]:
         """The live ranks to end now (sorted), or [] while none is overdue.
 
-        ``exited_ok``: some rank of the cycle exited with code 0; ``alive``: the ranks still
-        running; ``said_goodbye``: the ranks that said goodbye this cycle."""
-        if self.grace_s <= 0 or not (exited_ok and alive and alive <= said_goodbye):
+        ``ending``: some rank of the cycle exited with code 0 or announced its exit 16/17;
+        ``alive``: the ranks still running; ``said_goodbye``: the ranks that said goodbye
+        this cycle."""
+        if self.grace_s <= 0 or not (ending and alive and alive <= said_goodbye):
             self.since = None
             return []
         if self.since is None:
