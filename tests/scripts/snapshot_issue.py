@@ -4,7 +4,10 @@ state goes to ``client.snapshot`` (the launcher's default frequency decides whic
 taken) and ``client.restore()`` runs at start.
 
 In cycle 0, rank 1 SIGKILLs itself right after the first ``snapshot()`` call at or after
---kill-at that started a write, so the kill lands while that write is under way. Each rank
+--kill-at that started a write, so the kill lands while that write is under way. Cycle 0
+runs on past --steps until then (up to 4 x --kill-at steps): on a loaded machine the
+default frequency can space the snapshots so widely that none starts between --kill-at
+and --steps. Each rank
 prints every snapshot it started ("started N") and where it resumed from.
 """
 
@@ -40,7 +43,8 @@ def main() -> None:
         state, start = restored[0]["w"], restored[1]
         print(f"rank {rank} cycle {cycle}: resumed from snapshot step {start}", flush=True)
     flag = torch.zeros(1)
-    for step in range(start + 1, args.steps + 1):
+    last = args.steps if cycle > 0 else max(args.steps, 4 * args.kill_at)
+    for step in range(start + 1, last + 1):
         time.sleep(args.step_s)
         state.fill_(float(step))  # the step's result: the state of step N holds N
         dist.all_reduce(flag)
