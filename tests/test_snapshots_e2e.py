@@ -30,6 +30,8 @@ from launch_helpers import (
     wait_for,
 )
 
+from ft_agent.snapshot_frequency import Grid, extend
+
 pytestmark = pytest.mark.timeout(150)
 
 TRAIN_DDP = str(EXAMPLES / "train_ddp.py")
@@ -89,13 +91,16 @@ def test_with_the_defaults_a_kill_during_a_write_resumes_from_the_newest_common_
     assert killed_at >= 40, (started(run_dir, 1), frequency)
     both = set(started(run_dir, 0)) & set(started(run_dir, 1)) - {killed_at}
     expected = max(both)
-    # Once the frequency is agreed, both ranks snapshot the same steps: the grid's (of the
-    # segment in force there: a loaded machine can change the frequency during the run).
-    in_force = [f for f in frequency if f["start"] <= expected]
-    assert in_force, (expected, frequency)
-    segment = in_force[-1]
-    assert (expected - segment["start"]) % segment["every"] == 0, (expected, frequency)
-    assert killed_at - expected <= max(f["every"] for f in frequency), \
+    # Once the frequency is agreed, both ranks snapshot the same steps: the grid's, built
+    # as the ranks build it (a loaded machine can change the frequency during the run).
+    # The kill came at a grid point, and the copy restored is the grid point before it.
+    segments: tuple[tuple[int, int], ...] = ()
+    for f in frequency:
+        segments = extend(segments, f["start"], f["every"])
+    grid = Grid(segments)
+    for point in (expected, killed_at):
+        assert grid.position(point) != grid.position(point - 1), (point, frequency)
+    assert grid.position(killed_at - 1) == grid.position(expected), \
         (expected, killed_at, frequency)
     picked = [e for e in named(evs, "snapshot_picked") if e["cycle"] == 1]
     assert [p["iteration"] for p in picked] == [expected], picked

@@ -7,8 +7,8 @@ In cycle 0, rank 1 SIGKILLs itself right after the first ``snapshot()`` call at 
 --kill-at that started a write, so the kill lands while that write is under way. Cycle 0
 runs on past --steps until then (up to 4 x --kill-at steps): on a loaded machine the
 default frequency can space the snapshots so widely that none starts between --kill-at
-and --steps. Each rank
-prints every snapshot it started ("started N") and where it resumed from.
+and --steps. Each rank prints every snapshot it started ("started N") and where it
+resumed from.
 """
 
 from __future__ import annotations
