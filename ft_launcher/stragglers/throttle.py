@@ -413,12 +413,14 @@ class Throttle:
             time.sleep(STOP_POLL_S)
         stopped_at = time.monotonic()
         self._halt.wait(max(0.0, stop_s - (stopped_at - sent)))
+        # Timed before the SIGCONT: the process it wakes may take this thread's CPU, and
+        # the process works meanwhile (seen with every core busy: a third of each "stop").
+        stopped_s = time.monotonic() - stopped_at
         resumed = self._signal(signal.SIGCONT)
-        now = time.monotonic()
-        self.stopped_total_s += now - stopped_at
+        self.stopped_total_s += stopped_s
         self.stops += 1
         # Waiting on a run queue for a CPU to take the SIGSTOP on is not work: forgotten.
         meter.used()
         meter.wait_s = wait_before
-        debt.resumed(now - stopped_at)
+        debt.resumed(stopped_s)
         return resumed
