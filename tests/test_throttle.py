@@ -300,13 +300,21 @@ def test_a_throttled_busy_loop_runs_at_about_one_factor_th_of_its_peers(spawn, f
     # then means nothing.
     victim_cpu = sum(m[0] for m in spells)
     assert victim_cpu > 0, f"the throttled loop got no CPU in 6 s: {spells}"
-    ratio = statistics.median(sum(m[k] for m in spells) for k in range(1, ranks)) / victim_cpu
+    peer_cpu = statistics.median(sum(m[k] for m in spells) for k in range(1, ranks))
+    ratio = peer_cpu / victim_cpu
     print(f"factor {factor}, {ranks} loops: measured slowdown {ratio:.2f}")
-    # Generous: other work shares the 2 cores (other test workers, other jobs), and a
-    # resumed process is scheduled differently from its busy peers. Alone on the 2 cores
-    # this measured 2.14-2.16 at factor 2, 4.12-4.17 at factor 4 and 2.27-2.39 at factor 2
-    # with 4 loops (a plain wall-clock duty cycle: 1.2-1.4 at factor 2 with 4 loops).
-    assert factor * 0.5 < ratio < factor * 2.5, (ratio, spells)
+    if peer_cpu / len(spells) >= 0.5:
+        # The peers had half a core or more: alone on the 2 cores this measured 2.14-2.16
+        # at factor 2, 4.12-4.17 at factor 4 and 2.27-2.39 at factor 2 with 4 loops (a
+        # plain wall-clock duty cycle: 1.2-1.4 at factor 2 with 4 loops).
+        lower = factor * 0.75
+    else:
+        # An overloaded machine (the suite beside busy loops gave each loop 0.1-0.2 of a
+        # core): the run-queue waits reach the throttle in lumps larger than it banks, and
+        # it stops the rank for about half its debt (docs/stragglers.md): 1.73 at factor
+        # 4 was seen there. Still well apart from no throttle (1.0).
+        lower = 1 + (factor - 1) / 6
+    assert lower < ratio < factor * 2.5, (ratio, lower, spells)
     assert status(victim.pid) != psutil.STATUS_STOPPED
     assert throttle.stopped_total_s > 0.3
 
