@@ -176,6 +176,21 @@ def test_goodbye_ends_judging_and_reconnect_restores_it():
     assert m.check(T0 + 100).timeout_kind == "heartbeat"
 
 
+def test_what_a_rank_sent_before_its_exit_counts_when_read_after_it():
+    """The launcher can see a rank's exit before it reads the rank's last frames (seen
+    under load: one section of 150 missing from interval_stats): they are still sampled,
+    and still set no deadline."""
+    m = _model(rank_heartbeat_timeout=1.0)
+    m.heartbeat(0, T0, T0)
+    m.section_open(0, "step", T0, T0)
+    m.goodbye(0)  # the exit, seen first
+    m.section_close(0, "step", T0 + 0.04, T0 + 5)
+    m.heartbeat(0, T0 + 0.04, T0 + 5)
+    stats = m.stats()[0]
+    assert stats["section:step"]["count"] == 1 and stats["heartbeat"]["count"] == 1
+    assert m.check(T0 + 100) is None and m.next_deadline() is None
+
+
 def test_progress_is_activity_and_tracks_steps_and_checkpoints():
     m = _model(initial_rank_heartbeat_timeout=5.0)
     first = m.progress(0, 7, False, None, T0 + 1)

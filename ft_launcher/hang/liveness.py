@@ -94,7 +94,9 @@ class RankLiveness:
     rank: int
     local_rank: int
     spawned_at: float
-    active: bool = True  # False after goodbye or exit: no deadlines
+    # False after goodbye or exit: no deadlines. What the rank said is still recorded: the
+    # launcher may see a rank's exit before it reads the last frames the rank sent.
+    active: bool = True
     first_activity: float | None = None
     last_activity: float | None = None
     last_hb: float | None = None
@@ -170,7 +172,7 @@ class Liveness:
                   folds: bool = False) -> None:
         """A heartbeat; ``folds``: the rank may have folded later ones into it (the
         heartbeat deadline then allows ``HEARTBEAT_FOLD_S`` for an unseen last one)."""
-        r = self._active(rank)
+        r = self.ranks.get(rank)
         if r is None:
             return
         r.hb_folds = folds
@@ -183,7 +185,7 @@ class Liveness:
         r.last_hb = t
 
     def section_open(self, rank: int, name: str, stamp: float | None, now: float) -> None:
-        r = self._active(rank)
+        r = self.ranks.get(rank)
         if r is None:
             return
         if name not in r.sections and len(r.sections) >= MAX_OPEN_SECTIONS:
@@ -197,7 +199,7 @@ class Liveness:
 
     def section_close(self, rank: int, name: str, stamp: float | None, now: float) -> bool:
         """Close a section; False when it was not open."""
-        r = self._active(rank)
+        r = self.ranks.get(rank)
         if r is None:
             return True
         opened = r.sections.pop(name, None)
@@ -212,7 +214,7 @@ class Liveness:
         return True
 
     def section_close_all(self, rank: int, stamp: float | None, now: float) -> None:
-        r = self._active(rank)
+        r = self.ranks.get(rank)
         if r is None:
             return
         t = self._when(r, stamp, now)
@@ -228,7 +230,7 @@ class Liveness:
     def progress(self, rank: int, iteration: int, checkpoint: bool, stamp: float | None,
                  now: float) -> Progress | None:
         """A step finished (or a checkpoint was saved); counts as activity, not a heartbeat."""
-        r = self._active(rank)
+        r = self.ranks.get(rank)
         if r is None:
             return None
         t = self._when(r, stamp, now)
@@ -332,10 +334,6 @@ class Liveness:
         return out
 
     # -- internals ---------------------------------------------------------------------
-
-    def _active(self, rank: int) -> RankLiveness | None:
-        r = self.ranks.get(rank)
-        return r if r is not None and r.active else None
 
     @staticmethod
     def _when(r: RankLiveness, stamp: float | None, now: float) -> float:
