@@ -203,6 +203,8 @@ BENCH_RUNS = [  # (file, section title); files written by scripts/bench/bench.py
     ("goodput_long_2s.json", "Goodput over a long schedule, snapshots every 2 s"),
     ("goodput_long_nodes.json", "Goodput over a long schedule with a lost node: two nodes "
      "and a spare"),
+    ("goodput_long_nodes_auto.json", "Goodput with a lost node, the default snapshot "
+     "frequency and a 2 s heartbeat timeout"),
 ]
 
 WARM_KEYS = {
