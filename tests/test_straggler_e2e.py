@@ -53,7 +53,7 @@ def steps(out: Path, rank: int, cycle: int = 0) -> list[tuple[int, float, float]
     rows = []
     for line in path.read_text().splitlines():
         parts = line.split()
-        if len(parts) == 3:
+        if len(parts) == 4:  # a line being written is shorter
             rows.append((int(parts[0]), float(parts[1]), float(parts[2])))
     return rows
 

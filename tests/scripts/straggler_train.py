@@ -4,7 +4,9 @@ Each step: ``client.section(SECTION)`` around a fixed amount of pure-Python CPU 
 same on every rank, so a rank is slow only when its process is), then a gloo all-reduce
 that also carries rank 0's stop flag, so every rank leaves on the same step, then
 ``--idle`` seconds of sleep (data loading, say; it also leaves CPU to others). Each rank
-appends ``step wall_time compute_s`` per step to OUT/cycle_<c>_rank_<r>.txt.
+appends ``step wall_time compute_s work_cpu_s`` per step to OUT/cycle_<c>_rank_<r>.txt
+(the section's wall time, and the CPU time of the work inside it, which the load on the
+machine does not stretch).
 
     straggler_train.py OUT [--work N] [--seconds S] [--min-steps K] [--idle S] [--section N]
 
@@ -56,14 +58,16 @@ def main() -> None:
     while True:
         t0 = time.monotonic()
         with client.section(args.section):
+            c0 = time.thread_time()
             work(args.work)
+            work_cpu = time.thread_time() - c0
         compute = time.monotonic() - t0
         done = step + 1 >= args.min_steps and (
             time.monotonic() - START >= args.seconds or (args.out / "stop").exists())
         flags[0], flags[1] = 1.0, float(rank == 0 and done)
         dist.all_reduce(flags)
         client.send_heartbeat()
-        log.write(f"{step} {time.time():.6f} {compute:.6f}\n")
+        log.write(f"{step} {time.time():.6f} {compute:.6f} {work_cpu:.6f}\n")
         log.flush()
         step += 1
         if flags[1] > 0:
