@@ -924,3 +924,29 @@ def test_no_agent_store_no_zygote(tmp_path):
             assert not pool.enabled  # never a standby
         finally:
             pool.close()
+
+
+@pytest.mark.parametrize("code", [0, 1])
+def test_a_script_that_leaves_its_group_up_has_it_destroyed_at_a_clean_exit_only(
+        tmp_path, run_dir, code):
+    """A script that never destroys its gloo group (a Hugging Face Trainer's) gets it
+    destroyed after it exits with 0, before the interpreter's finalization, where a live
+    group can abort the process (pytorch/pytorch#190489: with 4 cold ranks, this script
+    died of SIGABRT at exit in 2 of 6 runs on the 2-core machine). After a failure the
+    group is left alone."""
+    out = tmp_path / "out"
+    res = run_launcher(run_dir, "--nproc-per-node", "2", "--max-restarts", "0",
+                       str(SCRIPTS / "leave_group.py"), str(out), "--code", str(code),
+                       timeout=120)
+    assert res.returncode == code, res.stdout[-3000:]
+    exits = named(events(run_dir), "worker_exited")
+    assert all(e["warm"] for e in exits), exits
+    # After a failed rank the launcher stops the other, which may not have exited yet.
+    own = [e for e in exits if not e["stopped_by_launcher"]]
+    assert own and {e["exit_code"] for e in own} == {code}, exits
+    destroyed = sorted(p.name for p in out.glob("destroyed_*"))
+    if code == 0:
+        assert destroyed == ["destroyed_0", "destroyed_1"]
+        assert (out / "destroyed_0").read_text() == "initialized=True\n"
+    else:
+        assert destroyed == []

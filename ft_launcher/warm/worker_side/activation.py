@@ -30,6 +30,9 @@ freshly started ``python -u script.py`` (or ``-m module``) and runs the script a
   whatever the zygote imported after the preloads leave ``sys.modules`` first;
 - an uncaught exception prints its traceback (from the script's first frame) and exits 1,
   ``SystemExit`` and ``KeyboardInterrupt`` behave as in any interpreter;
+- one difference, on purpose: a script that ends with status 0 and left its default
+  process group up gets it destroyed at exit, after its own exit handlers (a cold worker
+  can die of SIGABRT there);
 - with learned preloads on (a forked standby the zygote gave a directory), a thread notes
   for 90 s which installed modules the script imports (``learning.Recorder``).
 
@@ -62,6 +65,7 @@ import time
 from ft_launcher.warm.worker_side import learning
 
 EXIT_PRELOAD_FAILED = 3
+_ended_with_0 = False  # set when the script returns or exits with status 0
 
 
 def say(nonce: str, message: str) -> None:
@@ -315,15 +319,46 @@ def _become_worker(nonce: str, fields: list[bytes], handlers: dict[int, object],
     say(nonce, "start")  # from here on, output belongs to the cycle's log
     _forget_modules(forget)
     run = _run_module if mode == "module" else _run_path
+    import atexit  # built in; a standby imports it only once it becomes a worker
+
+    # Registered before the script's own exit handlers, so it runs after them.
+    atexit.register(_destroy_process_group_after_a_clean_end)
     try:
         run(target, args, _recorder(record))
-    except (SystemExit, KeyboardInterrupt):
-        raise  # the interpreter's own handling: exit code, or death by SIGINT
+    except SystemExit as exc:
+        _note_the_end(exc.code)
+        raise  # the interpreter's own handling of the exit code
+    except KeyboardInterrupt:
+        raise  # death by SIGINT
     except BaseException as exc:  # noqa: BLE001 - an uncaught exception in the script
         tb = _script_traceback(exc.__traceback__, vars(sys.modules["__main__"]))
         exc.with_traceback(tb)  # the default hook prints exc.__traceback__, not its argument
         sys.excepthook(type(exc), exc, tb)
         sys.exit(1)
+    _note_the_end(0)
+
+
+def _note_the_end(code: object) -> None:
+    global _ended_with_0
+    _ended_with_0 = code is None or code == 0
+
+
+def _destroy_process_group_after_a_clean_end() -> None:
+    """Destroy the default process group of a script that ended with status 0 and left
+    it up (a Hugging Face ``Trainer`` does): a process that reaches the interpreter's
+    finalization with a live gloo group can die of SIGABRT ("terminate called without an
+    active exception", pytorch/pytorch#190489), which the launcher must count as a failed
+    rank and restart the job for. torch's docs ask every script to destroy its group at the
+    end; this does it for a script that did not. After a failure the group is left alone:
+    its pending collectives could hold the exit."""
+    dist = sys.modules.get("torch.distributed")
+    if not _ended_with_0 or dist is None:
+        return
+    try:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception as exc:  # noqa: BLE001 - the script's exit status stands
+        sys.stderr.write(f"ft_launcher: destroying the process group at exit: {exc!r}\n")
 
 
 def serve(nonce: str, handlers: dict[int, object], mask: set[int], started: float,
