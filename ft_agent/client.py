@@ -7,6 +7,7 @@ every call is a cheap no-op after one warning.
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import json
 import logging
@@ -76,6 +77,7 @@ class RankMonitorClient(SnapshotMixin):
         self.heartbeat_fold_s = protocol.HEARTBEAT_FOLD_S
         self._hb_sent_at = -math.inf
         self._hb_folds = False
+        self._exit_pid: int | None = None  # the process whose exit says goodbye
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -125,6 +127,9 @@ class RankMonitorClient(SnapshotMixin):
             self._pending_state = None
         _arm_simulated_faults(self, os.environ.get("FT_SIMULATED_FAULT", ""))
         self._arm_stop_fence()
+        if self._exit_pid is None:
+            self._exit_pid = os.getpid()
+            atexit.register(self._goodbye_at_exit)
         log.debug("rank %d cycle %d: connected to %s", self.rank, self.cycle, endpoint)
 
     def shutdown_workload_monitoring(self) -> None:
@@ -135,6 +140,15 @@ class RankMonitorClient(SnapshotMixin):
         # Queued messages (a diagnosis just before an exit 16/17) are delivered first, for
         # at most this long when the monitor is gone.
         self._close(linger_ms=SHUTDOWN_LINGER_MS)
+
+    def _goodbye_at_exit(self) -> None:
+        # A script that never shut monitoring down says goodbye when its interpreter exits:
+        # training is over, and if the teardown that follows (finalising torch, a process
+        # group's threads) never ends, the launcher ends this rank once a peer has exited
+        # cleanly (ft_launcher/hang/exit_watch.py) instead of waiting for ever. Not in a
+        # forked child (its atexit handlers may run, and the connection is the parent's).
+        if os.getpid() == self._exit_pid:
+            self.shutdown_workload_monitoring()
 
     # -- hot path ----------------------------------------------------------------------
 

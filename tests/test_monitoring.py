@@ -86,9 +86,13 @@ def test_python_sleep_hang_stack_names_the_function(run_dir):
     assert named(events(run_dir), "restart")
 
 
-def test_a_rank_stuck_after_its_goodbye_is_dumped_and_ended_and_the_job_succeeds(run_dir):
+# stuck_at_exit: the script never shuts monitoring down, and its interpreter's exit never
+# ends (a teardown stuck after the exit handlers ran: the agent's says goodbye).
+@pytest.mark.parametrize("mode", ["stuck_after_goodbye", "stuck_at_exit"])
+def test_a_rank_stuck_after_its_goodbye_is_dumped_and_ended_and_the_job_succeeds(run_dir,
+                                                                                  mode):
     res = run_launcher(run_dir, *NO_PRELOADS, "--nproc-per-node", "2",
-                       "--workers-exit-timeout", "3", CASES, "stuck_after_goodbye")
+                       "--workers-exit-timeout", "3", CASES, mode)
     assert res.returncode == 0, res.stdout
     evs = events(run_dir)
     assert [e["ranks"] for e in named(evs, "exit_stuck")] == [[1]]

@@ -1,6 +1,7 @@
 """Worker behaviours for the monitoring tests; argv[1] picks one. Cycle 0 misbehaves,
 later cycles run cleanly so the restarted job finishes."""
 
+import atexit
 import json
 import os
 import sys
@@ -45,6 +46,9 @@ def beat(client, n, every=0.02, section=None):
 
 if MODE == "sleep_before_init" and CYCLE == 0 and RANK == 1:
     stuck_in_imports()
+
+if MODE == "stuck_at_exit" and RANK == 1:  # its interpreter's exit never ends
+    atexit.register(stuck_in_teardown)  # before the client's own handler: runs after it
 
 client = RankMonitorClient()
 client.init_workload_monitoring()
@@ -97,6 +101,7 @@ elif MODE == "clean_long":
     beat(client, 150, every=0.04, section="step")
 else:
     beat(client, 10)
-client.shutdown_workload_monitoring()
+if MODE != "stuck_at_exit":  # that one leaves the goodbye to the interpreter's exit
+    client.shutdown_workload_monitoring()
 if MODE == "stuck_after_goodbye" and RANK == 1:  # done training, then never exits
     stuck_in_teardown()
