@@ -159,6 +159,22 @@ def test_the_ranks_agree_on_one_interval_announced_ahead_of_every_rank(tmp_path)
     assert plan_file(tmp_path).grid[-1] == (410, 1) and evs[-1][1]["reason"] == "cheaper"
 
 
+def test_the_measuring_snapshot_counts_as_the_first_point_of_the_grid(tmp_path):
+    c, evs, _ = coordinator(tmp_path)
+    for r in (0, 1):
+        c.on_held(r, [2], at=2)  # the snapshot each rank took to measure
+    for r in (0, 1):
+        measure(c, r, at=5, blocking=0.2, step=1.0)
+    # Every 10 steps: the next point 10 steps after the measuring one, not at step 7 (two
+    # steps ahead), which would make a short run pay one snapshot more than the budget.
+    assert plan_file(tmp_path).grid == ((12, 10),) and evs[-1][1]["start"] == 12
+    for r in (0, 1):
+        c.on_held(r, [2, 12, 22], at=22)
+    # With a grid in force, a dearer measure takes effect as soon as every rank can know.
+    measure(c, 0, at=25, blocking=0.4, step=1.0)
+    assert plan_file(tmp_path).grid == ((12, 10), (27, 20))
+
+
 def test_the_commit_counts_when_the_node_has_no_idle_core(tmp_path):
     c, evs, _ = coordinator(tmp_path, cores=2)
     measure(c, 0, at=3, blocking=0.017, step=1.0, commit=0.017, cpu=1.0)

@@ -141,7 +141,8 @@ def next_frequency(plan: Plan, world: World, summaries: Mapping[int, NodeSummary
     if not costs:
         if plan.grid or state.every is None:
             return plan
-        start = start_of(max(ats), state.why.get("step_s", 0.0))
+        start = _first_point(plan, world, summaries, max(ats), state.every,
+                             state.why.get("step_s", 0.0))
         return _announce(plan, start, state.every, {**state.why, "reason": "new cycle",
                                                      "previous": state.every})
     if state.first_measure is None:
@@ -164,8 +165,23 @@ def next_frequency(plan: Plan, world: World, summaries: Mapping[int, NodeSummary
     if every != state.every:
         state.every, state.since = every, now
     state.why = why
-    start = start_of(max(ats), statistics.median(x.step_s for x in costs.values()))
+    start = _first_point(plan, world, summaries, max(ats), every,
+                         statistics.median(x.step_s for x in costs.values()))
     return _announce(plan, start, every, why)
+
+
+def _first_point(plan: Plan, world: World, summaries: Mapping[int, NodeSummary], at: int,
+                 every: int, step_s: float) -> int:
+    """Where an announced segment starts: ``start_of`` ahead of every rank and, when the
+    cycle has no grid yet, no sooner than ``every`` steps after the newest copy a rank
+    holds. That copy is the snapshot each rank took to measure; counting it as a point of
+    the grid keeps a short run, which would otherwise pay it on top, within the budget."""
+    start = start_of(at, step_s)
+    if plan.grid:
+        return start  # a grid in force keeps its points until the change takes effect
+    held = [i for s in summaries.values() for r, its in s.held.items() if r in world.ranks
+            for i in its]
+    return max(start, max(held) + every) if held else start
 
 
 def _announce(plan: Plan, start: int, every: int, why: dict[str, Any]) -> Plan:

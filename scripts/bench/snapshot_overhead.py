@@ -4,6 +4,8 @@
     python scripts/bench/snapshot_overhead.py --every 1 --out /tmp/every1.json
     python scripts/bench/snapshot_overhead.py --step-s 0.1 --pairs 5 --out /tmp/x.json
     python scripts/bench/snapshot_overhead.py --device cuda --out snapshot_overhead_gpu.json
+    python scripts/bench/snapshot_overhead.py --workload ddp --steps 600 --step-s 0.02 \
+        --out scripts/bench/snapshot_overhead_ddp.json
 
 Runs ``scripts/bench/snapshot_step.py`` (2 ranks, gloo, ``--mb`` MB of state per rank, a
 step of fixed compute calibrated once to about ``--step-s`` seconds; with ``--device cuda``
@@ -14,6 +16,11 @@ figure is the ranks' step loop wall time (first step excluded, so start-up is no
 a pair's overhead is with / without - 1. The same is also reported for the steady state,
 from the third step on: by then a rank's first slot files have had their memory claimed, a
 cost paid once per job. Medians printed, everything written to ``--out`` as JSON.
+
+``--workload ddp`` runs the project's DDP example instead (``examples/train_ddp.py``, 2
+ranks, ``--steps`` steps with ``--step-time`` ``--step-s``, a snapshot offered every step,
+a disk checkpoint every 20), and its figure is the launcher's whole wall time, fault-free:
+what a user of the example pays for snapshots being on by default.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ import torch  # noqa: E402
 from bench import machine_info  # noqa: E402
 
 STEP = HERE / "snapshot_step.py"
+DDP = HERE.parent.parent / "examples" / "train_ddp.py"
 
 
 def calibrate(step_s: float, device: str, size: int) -> int:
@@ -69,20 +77,58 @@ def run_once(work: int, args: argparse.Namespace, snapshots: bool, tmp: Path
     """One run's step loop wall time: from the second step, and from the third; and its
     median step."""
     out = tmp / f"loop-{time.monotonic_ns()}.json"
-    cmd = [sys.executable, "-m", "ft_launcher.cli", "--ft-run-dir", str(tmp / out.stem),
-           "--nproc-per-node", "2", "--max-restarts", "0"]
-    if not snapshots:
-        cmd += ["--ft-snapshot-every", "off"]
-    elif args.every != "auto":
-        cmd += ["--ft-snapshot-every", args.every]
-    cmd += [str(STEP), "--mb", str(args.mb), "--steps", str(args.steps), "--work", str(work),
-            "--size", str(args.size), "--device", args.device, "--out", str(out)]
+    cmd = launcher(tmp / out.stem, args, snapshots) + [
+        str(STEP), "--mb", str(args.mb), "--steps", str(args.steps), "--work", str(work),
+        "--size", str(args.size), "--device", args.device, "--out", str(out)]
     res = subprocess.run(cmd, capture_output=True, text=True,
                          timeout=60 + args.steps * args.step_s * 10)
     if res.returncode != 0:
         raise RunFailed("\n".join((res.stdout + res.stderr).splitlines()[-30:]))
     steps = json.loads(out.read_text())["step_s"]
     return sum(steps[1:]), sum(steps[2:]), statistics.median(steps[1:])
+
+
+def launcher(run_dir: Path, args: argparse.Namespace, snapshots: bool) -> list[str]:
+    cmd = [sys.executable, "-m", "ft_launcher.cli", "--ft-run-dir", str(run_dir),
+           "--nproc-per-node", "2", "--max-restarts", "0"]
+    if not snapshots:
+        return cmd + ["--ft-snapshot-every", "off"]
+    return cmd if args.every == "auto" else cmd + ["--ft-snapshot-every", args.every]
+
+
+def run_ddp_once(args: argparse.Namespace, snapshots: bool, tmp: Path
+                 ) -> tuple[float, int | None]:
+    """One fault-free run of the DDP example: the launcher's wall time, and the interval
+    the ranks agreed on (None: no snapshot_frequency event)."""
+    run_dir = tmp / f"ddp-{time.monotonic_ns()}"
+    cmd = launcher(run_dir, args, snapshots) + [
+        str(DDP), "--steps", str(args.steps), "--step-time", str(args.step_s),
+        "--ckpt-dir", str(run_dir / "ckpt")]
+    start = time.monotonic()
+    res = subprocess.run(cmd, capture_output=True, text=True,
+                         timeout=120 + args.steps * args.step_s * 10)
+    wall = time.monotonic() - start
+    if res.returncode != 0:
+        raise RunFailed("\n".join((res.stdout + res.stderr).splitlines()[-30:]))
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    every = [e["every"] for e in events if e.get("event") == "snapshot_frequency"]
+    return wall, (every[0] if every else None)
+
+
+def ddp_pair(without: tuple[float, int | None], with_: tuple[float, int | None]
+             ) -> dict[str, Any]:
+    return {"without_s": round(without[0], 4), "with_s": round(with_[0], 4),
+            "overhead": round(with_[0] / without[0] - 1, 4), "every": with_[1]}
+
+
+def step_pair(without: tuple[float, float, float], with_: tuple[float, float, float]
+              ) -> dict[str, Any]:
+    return {"without_s": round(without[0], 4), "with_s": round(with_[0], 4),
+            "step_median_without_s": round(without[2], 4),
+            "overhead": round(with_[0] / without[0] - 1, 4),
+            "steady_without_s": round(without[1], 4),
+            "steady_with_s": round(with_[1], 4),
+            "steady_overhead": round(with_[1] / without[1] - 1, 4)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,14 +140,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--every", default="auto",
                     help="the with-run's --ft-snapshot-every [auto: the launcher's default]")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--workload", choices=["steps", "ddp"], default="steps",
+                    help="steps: the calibrated step of --mb MB; ddp: examples/train_ddp.py")
     ap.add_argument("--out", type=Path, default=HERE / "snapshot_overhead.json")
     args = ap.parse_args(argv)
+    ddp = args.workload == "ddp"
     # On a GPU, small matmuls would time kernel launches rather than compute.
     args.size = 4096 if args.device == "cuda" else 256
     machine = machine_info()
     if args.device == "cuda":
         machine["gpu"] = torch.cuda.get_device_name()
-    work = calibrate(args.step_s, args.device, args.size)
+    work = 0 if ddp else calibrate(args.step_s, args.device, args.size)
     pairs: list[dict[str, Any]] = []
     failures: list[str] = []  # a failed run is kept, and its pair run again
     with tempfile.TemporaryDirectory(prefix="ft-snap-overhead-") as tmp:
@@ -110,44 +159,45 @@ def main(argv: list[str] | None = None) -> int:
                 break
             order = [False, True] if i % 2 == 0 else [True, False]
             try:
-                loop = {snap: run_once(work, args, snap, Path(tmp)) for snap in order}
+                runs = {snap: run_ddp_once(args, snap, Path(tmp)) if ddp
+                        else run_once(work, args, snap, Path(tmp)) for snap in order}
             except RunFailed as e:
                 failures.append(str(e))
                 print(f"a run failed:\n{e}", flush=True)
                 continue
-            (without, without_steady, step), (with_, with_steady, _) = loop[False], loop[True]
-            pairs.append({"without_s": round(without, 4), "with_s": round(with_, 4),
-                          "step_median_without_s": round(step, 4),
-                          "overhead": round(with_ / without - 1, 4),
-                          "steady_without_s": round(without_steady, 4),
-                          "steady_with_s": round(with_steady, 4),
-                          "steady_overhead": round(with_steady / without_steady - 1, 4)})
-            print(f"pair {i + 1}: without {without:.2f} s, with {with_:.2f} s, overhead "
-                  f"{pairs[-1]['overhead']:+.1%} (steady {pairs[-1]['steady_overhead']:+.1%})",
-                  flush=True)
+            pair = (ddp_pair if ddp else step_pair)(runs[False], runs[True])
+            pairs.append(pair)
+            steady = "" if ddp else f" (steady {pair['steady_overhead']:+.1%})"
+            print(f"pair {i + 1}: without {pair['without_s']:.2f} s, with {pair['with_s']:.2f} s, "
+                  f"overhead {pair['overhead']:+.1%}{steady}", flush=True)
     machine["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     overheads = [p["overhead"] for p in pairs]
-    steady = [p["steady_overhead"] for p in pairs]
+    settings: dict[str, Any] = (
+        {"workload": "ddp_example", "ranks": 2, "steps": args.steps,
+         "step_time_s": args.step_s, "every": args.every} if ddp else
+        {"mb_per_rank": args.mb, "ranks": 2, "step_s": args.step_s, "steps": args.steps,
+         "matmul_rounds": work, "device": args.device, "matmul_size": args.size,
+         "every": args.every})
     result: dict[str, Any] = {
         "date": datetime.date.today().isoformat(),
         "command": shlex.join(["python", "scripts/bench/snapshot_overhead.py",
                                *(argv if argv is not None else sys.argv[1:])]),
         "machine": machine,
-        "settings": {"mb_per_rank": args.mb, "ranks": 2, "step_s": args.step_s,
-                     "steps": args.steps, "matmul_rounds": work, "device": args.device,
-                     "matmul_size": args.size, "every": args.every},
+        "settings": settings,
         "pairs": pairs,
         "failed_runs": failures,
         "overhead_median": statistics.median(overheads),
-        "steady_overhead_median": statistics.median(steady),
     }
+    line = (f"median overhead {result['overhead_median']:+.1%} over {len(pairs)} pairs "
+            f"(min {min(overheads):+.1%}, max {max(overheads):+.1%})")
+    if not ddp:
+        steady = [p["steady_overhead"] for p in pairs]
+        result["steady_overhead_median"] = statistics.median(steady)
+        line += (f"; from the third step {result['steady_overhead_median']:+.1%} "
+                 f"(min {min(steady):+.1%}, max {max(steady):+.1%})")
     args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"median overhead {result['overhead_median']:+.1%} over {len(pairs)} pairs "
-          f"(min {min(overheads):+.1%}, max {max(overheads):+.1%}); from the third step "
-          f"{result['steady_overhead_median']:+.1%} (min {min(steady):+.1%}, "
-          f"max {max(steady):+.1%})")
+    print(line)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -427,6 +427,8 @@ def _snapshot_sections() -> list[str]:
 def _snapshot_overhead_section(name: str) -> list[str]:
     doc = _load(name)
     m, st = doc["machine"], doc["settings"]
+    if st.get("workload") == "ddp_example":
+        return _snapshot_overhead_ddp_section(name, doc)
     pct = [p["overhead"] * 100 for p in doc["pairs"]]
     on_gpu = st.get("device") == "cuda"
     where = (f"state and compute on one GPU ({m['gpu']}), which the ranks share"
@@ -458,6 +460,29 @@ def _snapshot_overhead_section(name: str) -> list[str]:
             f"{_spread(pct, 1)} |",
             f"| overhead from the third step on (slots claimed), % | "
             f"{_spread([p['steady_overhead'] * 100 for p in doc['pairs']], 1)} |", ""]
+
+
+def _snapshot_overhead_ddp_section(name: str, doc: dict) -> list[str]:
+    m, st, pairs = doc["machine"], doc["settings"], doc["pairs"]
+    every = [p["every"] for p in pairs if p["every"] is not None]
+    return [f"### `{name}`", "",
+            "Written by `scripts/bench/snapshot_overhead.py --workload ddp`: the project's "
+            f"DDP example (`examples/train_ddp.py`, {st['ranks']} ranks, gloo, "
+            f"{st['steps']} steps with `--step-time {st['step_time_s']}`, a snapshot offered "
+            "every step, a disk checkpoint every 20) under `ft_launcher`, fault-free, "
+            "without snapshots (`--ft-snapshot-every off`) and with the launcher's default "
+            "frequency in alternating pairs; the launcher's whole wall time.", "",
+            f"- date: {doc['date']}",
+            f"- machine: {m['cpus']} CPUs, {m['memory_gib']} GiB; load average at start "
+            f"{m['loadavg_start'][0]}, at end {m['loadavg_end'][0]}",
+            f"- command: `{doc['command']}`", "",
+            "| measure | median (min–max) over pairs |", "|---|---|",
+            f"| wall without snapshots, s | {_spread([p['without_s'] for p in pairs])} |",
+            f"| wall with the default frequency, s | "
+            f"{_spread([p['with_s'] for p in pairs])} |",
+            f"| overhead, % (with / without - 1, per pair; {len(pairs)} pairs) | "
+            f"{_spread([p['overhead'] * 100 for p in pairs], 1)} |",
+            f"| interval the ranks agreed on, steps | {_spread(every, 0)} |", ""]
 
 
 REPLICA_MEASURES = [  # (key of a run, what it is)
