@@ -175,6 +175,17 @@ def test_the_measuring_snapshot_counts_as_the_first_point_of_the_grid(tmp_path):
     assert plan_file(tmp_path).grid == ((12, 10), (27, 20))
 
 
+def test_a_copy_from_before_a_restart_further_back_does_not_delay_the_grid(tmp_path):
+    c, _, _ = coordinator(tmp_path)
+    # Iteration 40 was kept, but the script went back to its disk checkpoint (step 0).
+    c.begin_cycle({0: [40], 1: [40]}, 40, World((0, 1), 2), 0, None)
+    for r in (0, 1):
+        c.on_held(r, [2, 40], at=2)
+    for r in (0, 1):
+        measure(c, r, at=5, blocking=0.2, step=1.0)
+    assert plan_file(tmp_path).grid == ((12, 10),)  # not from 50
+
+
 def test_the_commit_counts_when_the_node_has_no_idle_core(tmp_path):
     c, evs, _ = coordinator(tmp_path, cores=2)
     measure(c, 0, at=3, blocking=0.017, step=1.0, commit=0.017, cpu=1.0)

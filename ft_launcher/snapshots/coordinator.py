@@ -174,13 +174,15 @@ def _first_point(plan: Plan, world: World, summaries: Mapping[int, NodeSummary],
                  every: int, step_s: float) -> int:
     """Where an announced segment starts: ``start_of`` ahead of every rank and, when the
     cycle has no grid yet, no sooner than ``every`` steps after the newest copy a rank
-    holds. That copy is the snapshot each rank took to measure; counting it as a point of
-    the grid keeps a short run, which would otherwise pay it on top, within the budget."""
+    holds at or below ``at``. That copy is the snapshot each rank took to measure;
+    counting it as a point of the grid keeps a short run, which would otherwise pay it on
+    top, within the budget. (A copy above ``at`` is from before a restart that went back
+    further, to a disk checkpoint: it says nothing of this cycle.)"""
     start = start_of(at, step_s)
     if plan.grid:
         return start  # a grid in force keeps its points until the change takes effect
     held = [i for s in summaries.values() for r, its in s.held.items() if r in world.ranks
-            for i in its]
+            for i in its if i <= at]
     return max(start, max(held) + every) if held else start
 
 
