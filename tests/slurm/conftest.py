@@ -95,6 +95,10 @@ def slurm_cluster() -> Iterator[None]:
                     pytrace=False)
     was_up = _cluster_up()
     env = {**os.environ, "SLURM_UP_NODES": str(len(NODES))}
+    if not was_up:
+        # The jobs a cluster we start would recover belong to a session that is gone (one
+        # interrupted mid-case, say): recovered, they hold the nodes a 3-node case needs.
+        env["SLURM_UP_CLEAN"] = "1"
     try:
         up = subprocess.run(["bash", str(SLURM_DIR / "slurm-up.sh")], env=env,
                             capture_output=True, text=True, timeout=300)
