@@ -44,6 +44,8 @@ sys.path.insert(0, str(HERE))
 import torch  # noqa: E402
 from bench import machine_info  # noqa: E402
 
+from ft_launcher.rundir import read_events  # noqa: E402
+
 STEP = HERE / "snapshot_step.py"
 DDP = HERE.parent.parent / "examples" / "train_ddp.py"
 
@@ -80,12 +82,16 @@ def run_once(work: int, args: argparse.Namespace, snapshots: bool, tmp: Path
     cmd = launcher(tmp / out.stem, args, snapshots) + [
         str(STEP), "--mb", str(args.mb), "--steps", str(args.steps), "--work", str(work),
         "--size", str(args.size), "--device", args.device, "--out", str(out)]
-    res = subprocess.run(cmd, capture_output=True, text=True,
-                         timeout=60 + args.steps * args.step_s * 10)
-    if res.returncode != 0:
-        raise RunFailed("\n".join((res.stdout + res.stderr).splitlines()[-30:]))
+    launch(cmd, timeout=60 + args.steps * args.step_s * 10)
     steps = json.loads(out.read_text())["step_s"]
     return sum(steps[1:]), sum(steps[2:]), statistics.median(steps[1:])
+
+
+def launch(cmd: list[str], timeout: float) -> None:
+    """Run one launcher to its end; RunFailed with its output's tail unless it exits 0."""
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if res.returncode != 0:
+        raise RunFailed("\n".join((res.stdout + res.stderr).splitlines()[-30:]))
 
 
 def launcher(run_dir: Path, args: argparse.Namespace, snapshots: bool) -> list[str]:
@@ -105,27 +111,26 @@ def run_ddp_once(args: argparse.Namespace, snapshots: bool, tmp: Path
         str(DDP), "--steps", str(args.steps), "--step-time", str(args.step_s),
         "--ckpt-dir", str(run_dir / "ckpt")]
     start = time.monotonic()
-    res = subprocess.run(cmd, capture_output=True, text=True,
-                         timeout=120 + args.steps * args.step_s * 10)
+    launch(cmd, timeout=120 + args.steps * args.step_s * 10)
     wall = time.monotonic() - start
-    if res.returncode != 0:
-        raise RunFailed("\n".join((res.stdout + res.stderr).splitlines()[-30:]))
-    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-    every = [e["every"] for e in events if e.get("event") == "snapshot_frequency"]
+    every = [e["every"] for e in read_events(run_dir) if e.get("event") == "snapshot_frequency"]
     return wall, (every[0] if every else None)
+
+
+def compared(without_s: float, with_s: float) -> dict[str, Any]:
+    return {"without_s": round(without_s, 4), "with_s": round(with_s, 4),
+            "overhead": round(with_s / without_s - 1, 4)}
 
 
 def ddp_pair(without: tuple[float, int | None], with_: tuple[float, int | None]
              ) -> dict[str, Any]:
-    return {"without_s": round(without[0], 4), "with_s": round(with_[0], 4),
-            "overhead": round(with_[0] / without[0] - 1, 4), "every": with_[1]}
+    return {**compared(without[0], with_[0]), "every": with_[1]}
 
 
 def step_pair(without: tuple[float, float, float], with_: tuple[float, float, float]
               ) -> dict[str, Any]:
-    return {"without_s": round(without[0], 4), "with_s": round(with_[0], 4),
+    return {**compared(without[0], with_[0]),
             "step_median_without_s": round(without[2], 4),
-            "overhead": round(with_[0] / without[0] - 1, 4),
             "steady_without_s": round(without[1], 4),
             "steady_with_s": round(with_[1], 4),
             "steady_overhead": round(with_[1] / without[1] - 1, 4)}
@@ -198,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(line)
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())
