@@ -5,7 +5,8 @@ state's tensors are copied into a slot file that keeps nothing the plan keeps
 (``ft_agent.snapshot_retention``: the world's pin, the copies at or above its floor, the
 newest), mapped into memory and kept mapped between snapshots (so the copy neither pays for
 fresh pages nor needs a second pass to write); a background thread then checksums that slot
-and, last, writes its commit record (write + rename). The slot's old commit record is
+and, last, writes its commit record (write + rename); for a small state (up to
+``INLINE_BYTES``) ``snapshot()`` does that itself before it returns. The slot's old commit record is
 removed before its first byte changes, so a writer killed at any point leaves the other
 slots whole and loadable. ``load`` / ``latest`` / ``available_iterations`` read a
 directory back, checking every tensor's CRC32 and refusing a tensor that holds NaN/Inf
@@ -56,6 +57,8 @@ log = logging.getLogger(__name__)
 DIR_MODE = 0o700
 FILE_MODE = 0o600
 _WRITE_CHUNK = 64 * 2**20
+# A state up to this size is checked and committed inside snapshot(), not in a thread.
+INLINE_BYTES = 256 * 2**10
 
 __all__ = [
     "Snapshot", "SnapshotError", "SnapshotStatus", "SnapshotStore", "SlotInfo", "WriteResult",
@@ -100,6 +103,7 @@ class WriteResult:
     seconds: float
     error: str | None = None
     cpu_s: float = 0.0  # CPU time the write's thread used
+    inline: bool = False  # written inside snapshot() (a small state): its time is blocking_s's
 
 
 @dataclass
@@ -527,7 +531,7 @@ class SnapshotStore:
     ``memory_budget`` (bytes, None = no limit) bounds what the store holds: its slot files
     (and, for a GPU state, one pinned host copy); a snapshot that would exceed it is skipped
     with reason "budget". At most one write is in flight. ``on_commit`` is called with each
-    write's ``WriteResult``, from the write's thread.
+    write's ``WriteResult``, from the write's thread (from ``snapshot()`` for a small state).
     """
 
     def __init__(self, directory: str | os.PathLike[str], *,
@@ -609,9 +613,14 @@ class SnapshotStore:
         whole[:len(head)].copy_(_uint8(head))
         targets, staged = self._copy(sources, placed, whole)
         job = _Job(iteration, slot, seq, head, targets, staged, nbytes, total)
-        self._thread = threading.Thread(target=self._write, args=(job,), daemon=True,
-                                        name=f"ft-snapshot-{slot}")
-        self._thread.start()
+        if total <= INLINE_BYTES:
+            # Checked and committed here: for a small state, starting a thread and handing
+            # it the interpreter's lock cost the step more than the checks themselves.
+            self._write(job, inline=True)
+        else:
+            self._thread = threading.Thread(target=self._write, args=(job,), daemon=True,
+                                            name=f"ft-snapshot-{slot}")
+            self._thread.start()
         blocking = time.perf_counter() - start
         return SnapshotStatus(True, iteration, None, nbytes, blocking, slot, blocking - claim_s)
 
@@ -772,7 +781,7 @@ class SnapshotStore:
         self._pinned = pinned
         return targets, staged
 
-    def _write(self, job: _Job) -> None:
+    def _write(self, job: _Job, inline: bool = False) -> None:
         start, cpu = time.perf_counter(), time.thread_time()
         try:
             self._commit(job)
@@ -780,13 +789,14 @@ class SnapshotStore:
             kind = "io" if isinstance(e, OSError) else type(e).__name__
             self._last = WriteResult(job.iteration, job.slot, False, job.nbytes,
                                      time.perf_counter() - start, f"{kind}: {e}",
-                                     time.thread_time() - cpu)
+                                     time.thread_time() - cpu, inline)
             log.warning("snapshot of iteration %d to slot %s failed: %s",
                         job.iteration, job.slot, e)
         else:
             self._slots[job.slot] = (job.seq, job.iteration, job.file_bytes)
             self._last = WriteResult(job.iteration, job.slot, True, job.nbytes,
-                                     time.perf_counter() - start, cpu_s=time.thread_time() - cpu)
+                                     time.perf_counter() - start, cpu_s=time.thread_time() - cpu,
+                                     inline=inline)
         if self.on_commit is not None:
             try:
                 self.on_commit(self._last)
@@ -799,8 +809,8 @@ class SnapshotStore:
         """Claim and map a second slot now, when only one is: claiming a slot's pages costs
         many times the copy, so the step that first writes there would otherwise wait for
         it. The third is claimed when a write first needs it (a rank ahead of the world's
-        pin). Runs in the write's thread, so no snapshot can be choosing a slot
-        meanwhile."""
+        pin). Runs in the write's thread (or inside the small state's ``snapshot()``), so
+        no snapshot can be choosing a slot meanwhile."""
         if len(self._claimed) >= 2:
             return
         other = next((s for s in SLOTS if s not in self._claimed and s != job.slot), None)

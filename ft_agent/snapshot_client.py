@@ -137,6 +137,7 @@ class SnapshotAgent:
         returning); the store's ``SnapshotStatus``, or None when not due."""
         from ft_agent import snapshot as store  # noqa: PLC0415 - torch on first use only
 
+        start = time.perf_counter()
         now, wall = time.monotonic(), time.time()  # the grid is the wall clock's: shared
         self._read_plan()
         self.at = max(self.at, iteration)
@@ -174,7 +175,9 @@ class SnapshotAgent:
         self.last = (iteration, wall)
         if status.started:
             self.taken += 1
-            self.meter.copy(status.copy_s)
+            if not at_once:  # the whole call but a fresh slot's claim: what the step lost
+                self.meter.blocked(time.perf_counter() - start
+                                   - (status.blocking_s - status.copy_s))
         else:
             self._skipped(iteration, status.reason or "busy", status.bytes, now)
         return status
@@ -250,8 +253,8 @@ class SnapshotAgent:
 
     def _committed(self, result: Any) -> None:
         """From the write's thread: what this rank holds now, to the launcher."""
-        if result.ok:
-            self._commit_cpu.append(result.cpu_s)
+        if result.ok:  # a commit inside snapshot() is already in the call's time
+            self._commit_cpu.append(0.0 if result.inline else result.cpu_s)
         held = sorted({i for i in self.store.held().values() if i is not None})
         self._send("held", held=held, at=self.at)
 

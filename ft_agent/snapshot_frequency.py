@@ -1,14 +1,15 @@
 """The default snapshot frequency: pure rules shared by the ranks and the launcher.
 
-Without ``--ft-snapshot-every``, each rank measures what a snapshot costs it and how long a
-step takes (``Meter``, fed by the rank's ``snapshot()`` calls), and reports that; the
-launcher turns every rank's measure into one interval in steps (``wanted_every``: the
-fewest steps between snapshots that keep the time ``snapshot()`` blocks, plus the
-background commit's CPU time when the node has no idle core, under ``budget`` of the step
-time), changes it only when that matters (``settle``), and announces it as a grid segment,
-"every N steps from iteration X", with X far enough ahead of every rank (``start_of``) that
-every rank of the world switches at the same iteration. ``Grid.due`` is the rank's test:
-the first call at or past each point of the grid.
+Without ``--ft-snapshot-every``, each rank measures what a snapshot costs it (the whole
+``snapshot()`` call that took one) and how long a step takes (``Meter``, fed by the rank's
+``snapshot()`` calls), and reports that; the launcher turns every rank's measure into one
+interval in steps (``wanted_every``: the fewest steps between snapshots that keep the time
+``snapshot()`` blocks, plus the background commit's CPU time when the node has no idle
+core, under ``budget`` of the step time), changes it only when that matters
+(``settle``), and announces it as a grid segment, "every N steps from iteration X", with
+X far enough ahead of every rank (``start_of``) that every rank of the world switches at
+the same iteration. ``Grid.due`` is the rank's test: the first call at or past each point
+of the grid.
 """
 
 from __future__ import annotations
@@ -68,9 +69,10 @@ def extend(segments: tuple[tuple[int, int], ...], start: int, every: int,
 
 @dataclass(frozen=True)
 class Measure:
-    """One rank's medians: the time a snapshot's copy blocked ``snapshot()``, the CPU time of
-    its background commit (CRC32, NaN test, commit record), the wall time of a step, and
-    the cores the rank's own work used (its process's CPU time less the commits')."""
+    """One rank's medians: the wall time of a ``snapshot()`` call that took a snapshot, the
+    CPU time of its background commit (CRC32, NaN test, commit record; 0 for a small state
+    committed inside the call), the wall time of a step, and the cores the rank's own work
+    used (its process's CPU time less the background commits')."""
 
     blocking_s: float
     commit_s: float
@@ -117,12 +119,13 @@ def start_of(at: int, step_s: float) -> int:
 
 
 class Meter:
-    """A rank's measure, from its ``snapshot()`` calls (``call``), the copies they made
-    (``copy``) and the background commits (``commit``); the clocks are the caller's."""
+    """A rank's measure, from its ``snapshot()`` calls (``call``), the time those that took
+    a snapshot blocked (``blocked``) and the background commits (``commit``); the clocks are
+    the caller's."""
 
     def __init__(self) -> None:
         self.steps: deque[float] = deque(maxlen=WINDOW)
-        self.copies: deque[float] = deque(maxlen=WINDOW)
+        self.blocks: deque[float] = deque(maxlen=WINDOW)
         self.commits: deque[float] = deque(maxlen=WINDOW)
         self.last: tuple[int, float] | None = None  # (iteration, wall) of the last call
         self.window: tuple[float, float, float] | None = None  # (wall, cpu, commit cpu)
@@ -143,17 +146,17 @@ class Meter:
             self.cpu = max(0.0, own / (now - self.window[0]))
             self.window = (now, cpu, self.commit_total)
 
-    def copy(self, seconds: float) -> None:
-        self.copies.append(seconds)
+    def blocked(self, seconds: float) -> None:
+        self.blocks.append(seconds)
 
     def commit(self, cpu_seconds: float) -> None:
         self.commit_total += cpu_seconds
         self.commits.append(cpu_seconds)
 
     def measure(self) -> Measure | None:
-        """The medians, or None until a copy, a commit and ``MIN_STEPS`` steps have been
-        seen."""
-        if len(self.steps) < MIN_STEPS or not (self.copies and self.commits):
+        """The medians, or None until a snapshot, its commit and ``MIN_STEPS`` steps have
+        been seen."""
+        if len(self.steps) < MIN_STEPS or not (self.blocks and self.commits):
             return None
-        return Measure(statistics.median(self.copies), statistics.median(self.commits),
+        return Measure(statistics.median(self.blocks), statistics.median(self.commits),
                        statistics.median(self.steps), self.cpu)

@@ -85,7 +85,7 @@ def test_a_change_takes_effect_far_enough_ahead():
 def test_the_meter_measures_copies_commits_steps_and_the_ranks_own_cpu():
     m = Meter()
     m.call(1, now=0.0, cpu=0.0)
-    m.copy(0.010)
+    m.blocked(0.010)
     assert m.measure() is None
     m.commit(0.020)
     m.call(2, now=0.5, cpu=0.5)
