@@ -76,11 +76,12 @@ def commit_file(slot: str) -> str:
 
 @dataclass(frozen=True)
 class SnapshotStatus:
-    """What ``snapshot()`` did: ``started`` (a background write is under way), or skipped
-    with ``reason`` "busy" (the previous write is still running), "budget", "held" (every
-    slot keeps a copy the plan keeps), "claim" (the slot's memory is being claimed in the
-    background) or "io". ``copy_s``: the part of ``blocking_s`` the copy took (not the
-    claim of a fresh slot's memory, which only a snapshot that waits pays)."""
+    """What ``snapshot()`` did: ``started`` (a background write is under way, or for a
+    small state done), or skipped with ``reason`` "busy" (the previous write is still
+    running), "budget", "held" (every slot keeps a copy the plan keeps), "claim" (the
+    slot's memory is being claimed in the background) or "io". ``copy_s``: the part of
+    ``blocking_s`` that was not the claim of a fresh slot's memory (which only a snapshot
+    that waits pays)."""
 
     started: bool
     iteration: int

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -96,6 +97,33 @@ def test_the_meter_measures_copies_commits_steps_and_the_ranks_own_cpu():
     m.commit(0.1)
     m.call(6, now=3.0, cpu=2.0)  # 0.7 s of CPU in that second, 0.1 s of it a commit
     assert m.measure() == Measure(0.010, pytest.approx(0.06), 0.5, pytest.approx(0.6))
+
+
+@pytest.mark.parametrize("numel", [100, store.INLINE_BYTES // 4 + 1], ids=["small", "large"])
+def test_a_rank_measures_the_whole_call_and_a_commit_inside_it_once(tmp_path, numel):
+    """What a snapshot costs the step is the whole ``snapshot()`` call, whatever part of it
+    the store times; a small state's commit, inside that call, is not counted again."""
+    sent: list[dict] = []
+    a = SnapshotAgent(settings_from_env({"FT_SNAPSHOT_DIR": str(tmp_path / "r"),
+                                         "FT_SNAPSHOT_EVERY": "1"}),
+                      lambda what, msg: sent.append(json.loads(msg)))
+    state = {"w": torch.ones(numel)}
+    a.snapshot(state, 0)  # makes the store; the slot's memory is claimed meanwhile
+    a.store.wait()
+    plain = a.store.snapshot
+
+    def slow(*args, **kwargs):
+        time.sleep(0.05)  # not in the store's own time
+        return plain(*args, **kwargs)
+
+    a.store.snapshot = slow
+    for it in range(1, 6):
+        assert a.snapshot(state, it).started
+        a.store.wait()
+    (m,) = [m for m in sent if m["kind"] == "measure"]
+    assert m["blocking_s"] >= 0.05
+    assert (m["commit_s"] == 0) == (numel == 100), m
+    a.close()
 
 
 # -- the launcher's agreement, one node, a fake clock ----------------------------------------

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 import zlib
 from pathlib import Path
@@ -29,6 +30,7 @@ from launch_helpers import freeze, mounted_tmpfs
 
 from ft_agent import snapshot_format as fmt
 from ft_agent.snapshot import (
+    INLINE_BYTES,
     SnapshotError,
     SnapshotStore,
     available_iterations,
@@ -485,6 +487,28 @@ def test_one_write_in_flight_a_second_is_skipped_as_busy_or_waits(tmp_path: Path
         assert third.started and third.slot == "b"
         assert store.wait().ok
     assert available_iterations(tmp_path / "r") == [1, 3]
+
+
+def test_a_small_state_is_committed_inside_the_call_a_large_one_in_the_background(
+        tmp_path: Path) -> None:
+    """A short step would pay more for a thread's start, and for handing it the interpreter's
+    lock, than for the checks of a small state: up to INLINE_BYTES they run in the call."""
+    seen: list[tuple[int, bool]] = []
+    here = threading.get_ident()
+    for name, state in [("small", {"w": torch.ones(1000), "step": 1}),
+                        ("large", {"w": torch.ones(INLINE_BYTES // 4 + 1)})]:
+        d = tmp_path / name
+        with SnapshotStore(d, on_commit=lambda r: seen.append((threading.get_ident(),
+                                                               r.inline))) as store:
+            written(store, state, 1)
+            store.wait()  # the second slot's claim
+            seen.clear()
+            assert store.snapshot(state, 2).started
+            if name == "small":  # nothing to wait for: committed and reported already
+                assert available_iterations(d) == [1, 2] and seen == [(here, True)]
+            else:
+                assert store.wait().ok and seen and seen[0][0] != here and not seen[0][1]
+                assert available_iterations(d) == [1, 2]
 
 
 @pytest.mark.parametrize("bad,where", [
