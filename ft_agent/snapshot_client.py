@@ -252,7 +252,8 @@ class SnapshotAgent:
             self.plan = plan
 
     def _committed(self, result: Any) -> None:
-        """From the write's thread: what this rank holds now, to the launcher."""
+        """From the write's thread (or the call, for a small state): what this rank holds
+        now, to the launcher."""
         if result.ok:  # a commit inside snapshot() is already in the call's time
             self._commit_cpu.append(0.0 if result.inline else result.cpu_s)
         held = sorted({i for i in self.store.held().values() if i is not None})
