@@ -6,9 +6,9 @@ state's tensors are copied into a slot file that keeps nothing the plan keeps
 newest), mapped into memory and kept mapped between snapshots (so the copy neither pays for
 fresh pages nor needs a second pass to write); a background thread then checksums that slot
 and, last, writes its commit record (write + rename); for a small state (up to
-``INLINE_BYTES``) ``snapshot()`` does that itself before it returns. The slot's old commit record is
-removed before its first byte changes, so a writer killed at any point leaves the other
-slots whole and loadable. ``load`` / ``latest`` / ``available_iterations`` read a
+``INLINE_BYTES``) ``snapshot()`` does that itself before it returns. The slot's old commit
+record is removed before its first byte changes, so a writer killed at any point leaves
+the other slots whole and loadable. ``load`` / ``latest`` / ``available_iterations`` read a
 directory back, checking every tensor's CRC32 and refusing a tensor that holds NaN/Inf
 where the writer saw none.
 
