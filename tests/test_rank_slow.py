@@ -208,10 +208,12 @@ def test_a_slowed_rank_s_section_takes_factor_times_its_work_and_is_named(tmp_pa
     # the CPU time of its work (2.9: the log's microsecond rounding).
     assert got["stretch"] >= 2.9, got["output"][-2000:]
     if max_steps <= 60:
-        # Against the peer the ratio also carries the load's noise on each rank's work, which
-        # a ~10 ms section mostly averages out (x1.79 was seen for a 2 ms section on a busy CI
-        # machine, x1.29 beside busy loops, where the peer's 2 ms section took 4.6 ms).
-        assert 1.5 < ratio < 5.0, got["output"][-2000:]
+        # Against the peer the ratio also carries the load, and not evenly: the slowed rank
+        # sleeps two thirds of its section, so a busy machine's scheduler hands it the core
+        # first and its peer's work waits (on a busy CI machine the peer's ~7 ms of work took
+        # 15.3 ms, the slowed rank's 7.4 ms: x1.46). Slower than the peer, as the verdict needs,
+        # and no more than the factor allows.
+        assert 1.2 < ratio < 5.0, got["output"][-2000:]
     assert {e["rank"] for e in got["after"]} == {1}, got["after"]
     # Before the onset nothing is slowed, but 2 shared cores under a busy CI machine can
     # hold one rank's 2 ms section 1.3x the other's long enough to be named (rank 0 was, once,
