@@ -3,6 +3,8 @@
     python scripts/bench/snapshot_overhead.py                       # 1 s steps, 200 MB, 20 pairs
     python scripts/bench/snapshot_overhead.py --every 1 --out /tmp/every1.json
     python scripts/bench/snapshot_overhead.py --step-s 0.1 --pairs 5 --out /tmp/x.json
+    python scripts/bench/snapshot_overhead.py --wait-s 0.5 --steps 20 \
+        --out scripts/bench/snapshot_overhead_wait.json
     python scripts/bench/snapshot_overhead.py --device cuda --out snapshot_overhead_gpu.json
     python scripts/bench/snapshot_overhead.py --workload ddp --steps 600 --step-s 0.02 \
         --out scripts/bench/snapshot_overhead_ddp.json
@@ -15,7 +17,12 @@ frequency (or ``--every``'s, e.g. ``1`` for every step), in alternating order. E
 figure is the ranks' step loop wall time (first step excluded, so start-up is not counted);
 a pair's overhead is with / without - 1. The same is also reported for the steady state,
 from the third step on: by then a rank's first slot files have had their memory claimed, a
-cost paid once per job. Medians printed, everything written to ``--out`` as JSON.
+cost paid once per job. Each run also records the interval the ranks agreed on and the CPU
+time rank 0 spent outside its training thread (the slots' claims and the background
+commits, beside the agent's own threads): on cores the compute keeps busy that time comes
+out of the step, where an idle core would absorb it. ``--wait-s`` makes that much of each
+step a sleep after the compute (a GPU step's host thread waiting for the device), the rest
+calibrated compute. Medians printed, everything written to ``--out`` as JSON.
 
 ``--workload ddp`` runs the project's DDP example instead (``examples/train_ddp.py``, 2
 ranks, ``--steps`` steps with ``--step-time`` ``--step-s``, a snapshot offered every step,
@@ -35,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -74,17 +82,37 @@ class RunFailed(Exception):
     """A run that did not finish with 0; its output's tail is the message."""
 
 
-def run_once(work: int, args: argparse.Namespace, snapshots: bool, tmp: Path
-             ) -> tuple[float, float, float]:
-    """One run's step loop wall time: from the second step, and from the third; and its
-    median step."""
+@dataclass(frozen=True)
+class StepRun:
+    """One run of the calibrated step: its loop's wall time from the second step and from
+    the third, its median step, rank 0's CPU time outside its training thread, and the
+    interval the ranks agreed on (None: none announced)."""
+
+    loop_s: float
+    steady_s: float
+    step_median_s: float
+    background_cpu_s: float
+    every: int | None
+
+
+def run_once(work: int, args: argparse.Namespace, snapshots: bool, tmp: Path) -> StepRun:
     out = tmp / f"loop-{time.monotonic_ns()}.json"
-    cmd = launcher(tmp / out.stem, args, snapshots) + [
+    run_dir = tmp / out.stem
+    cmd = launcher(run_dir, args, snapshots) + [
         str(STEP), "--mb", str(args.mb), "--steps", str(args.steps), "--work", str(work),
-        "--size", str(args.size), "--device", args.device, "--out", str(out)]
+        "--size", str(args.size), "--device", args.device, "--wait-s", str(args.wait_s),
+        "--out", str(out)]
     launch(cmd, timeout=60 + args.steps * args.step_s * 10)
-    steps = json.loads(out.read_text())["step_s"]
-    return sum(steps[1:]), sum(steps[2:]), statistics.median(steps[1:])
+    doc = json.loads(out.read_text())
+    steps = doc["step_s"]
+    return StepRun(sum(steps[1:]), sum(steps[2:]), statistics.median(steps[1:]),
+                   doc["cpu_s"] - doc["main_cpu_s"], agreed_every(run_dir))
+
+
+def agreed_every(run_dir: Path) -> int | None:
+    """The first interval the ranks agreed on, from the run's events."""
+    every = [e["every"] for e in read_events(run_dir) if e.get("event") == "snapshot_frequency"]
+    return every[0] if every else None
 
 
 def launch(cmd: list[str], timeout: float) -> None:
@@ -112,9 +140,7 @@ def run_ddp_once(args: argparse.Namespace, snapshots: bool, tmp: Path
         "--ckpt-dir", str(run_dir / "ckpt")]
     start = time.monotonic()
     launch(cmd, timeout=120 + args.steps * args.step_s * 10)
-    wall = time.monotonic() - start
-    every = [e["every"] for e in read_events(run_dir) if e.get("event") == "snapshot_frequency"]
-    return wall, (every[0] if every else None)
+    return time.monotonic() - start, agreed_every(run_dir)
 
 
 def compared(without_s: float, with_s: float) -> dict[str, Any]:
@@ -127,13 +153,15 @@ def ddp_pair(without: tuple[float, int | None], with_: tuple[float, int | None]
     return {**compared(without[0], with_[0]), "every": with_[1]}
 
 
-def step_pair(without: tuple[float, float, float], with_: tuple[float, float, float]
-              ) -> dict[str, Any]:
-    return {**compared(without[0], with_[0]),
-            "step_median_without_s": round(without[2], 4),
-            "steady_without_s": round(without[1], 4),
-            "steady_with_s": round(with_[1], 4),
-            "steady_overhead": round(with_[1] / without[1] - 1, 4)}
+def step_pair(without: StepRun, with_: StepRun) -> dict[str, Any]:
+    return {**compared(without.loop_s, with_.loop_s),
+            "step_median_without_s": round(without.step_median_s, 4),
+            "steady_without_s": round(without.steady_s, 4),
+            "steady_with_s": round(with_.steady_s, 4),
+            "steady_overhead": round(with_.steady_s / without.steady_s - 1, 4),
+            "background_cpu_without_s": round(without.background_cpu_s, 4),
+            "background_cpu_with_s": round(with_.background_cpu_s, 4),
+            "every": with_.every}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,17 +173,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--every", default="auto",
                     help="the with-run's --ft-snapshot-every [auto: the launcher's default]")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--wait-s", type=float, default=0.0,
+                    help="of each step, a sleep after the compute (a host waiting on a GPU)")
     ap.add_argument("--workload", choices=["steps", "ddp"], default="steps",
                     help="steps: the calibrated step of --mb MB; ddp: examples/train_ddp.py")
     ap.add_argument("--out", type=Path, default=HERE / "snapshot_overhead.json")
     args = ap.parse_args(argv)
     ddp = args.workload == "ddp"
+    if not 0 <= args.wait_s < args.step_s:
+        ap.error("--wait-s must be at least 0 and less than --step-s")
     # On a GPU, small matmuls would time kernel launches rather than compute.
     args.size = 4096 if args.device == "cuda" else 256
     machine = machine_info()
     if args.device == "cuda":
         machine["gpu"] = torch.cuda.get_device_name()
-    work = 0 if ddp else calibrate(args.step_s, args.device, args.size)
+    work = 0 if ddp else calibrate(args.step_s - args.wait_s, args.device, args.size)
     pairs: list[dict[str, Any]] = []
     failures: list[str] = []  # a failed run is kept, and its pair run again
     with tempfile.TemporaryDirectory(prefix="ft-snap-overhead-") as tmp:
@@ -172,7 +204,10 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             pair = (ddp_pair if ddp else step_pair)(runs[False], runs[True])
             pairs.append(pair)
-            steady = "" if ddp else f" (steady {pair['steady_overhead']:+.1%})"
+            steady = "" if ddp else (
+                f" (steady {pair['steady_overhead']:+.1%}; every {pair['every']}, rank 0's "
+                f"CPU outside its training thread {pair['background_cpu_without_s']:.2f} s "
+                f"-> {pair['background_cpu_with_s']:.2f} s)")
             print(f"pair {i + 1}: without {pair['without_s']:.2f} s, with {pair['with_s']:.2f} s, "
                   f"overhead {pair['overhead']:+.1%}{steady}", flush=True)
     machine["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
@@ -181,8 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         {"workload": "ddp_example", "ranks": 2, "steps": args.steps,
          "step_time_s": args.step_s, "every": args.every} if ddp else
         {"mb_per_rank": args.mb, "ranks": 2, "step_s": args.step_s, "steps": args.steps,
-         "matmul_rounds": work, "device": args.device, "matmul_size": args.size,
-         "every": args.every})
+         "wait_s": args.wait_s, "matmul_rounds": work, "device": args.device,
+         "matmul_size": args.size, "every": args.every})
     result: dict[str, Any] = {
         "date": datetime.date.today().isoformat(),
         "command": shlex.join(["python", "scripts/bench/snapshot_overhead.py",
@@ -198,8 +233,11 @@ def main(argv: list[str] | None = None) -> int:
     if not ddp:
         steady = [p["steady_overhead"] for p in pairs]
         result["steady_overhead_median"] = statistics.median(steady)
+        added = [p["background_cpu_with_s"] - p["background_cpu_without_s"] for p in pairs]
+        result["background_cpu_added_median_s"] = round(statistics.median(added), 4)
         line += (f"; from the third step {result['steady_overhead_median']:+.1%} "
-                 f"(min {min(steady):+.1%}, max {max(steady):+.1%})")
+                 f"(min {min(steady):+.1%}, max {max(steady):+.1%}); rank 0's CPU outside "
+                 f"its training thread +{result['background_cpu_added_median_s']:.2f} s")
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(line)
     return 0

@@ -6,7 +6,9 @@ Each rank holds ``--mb`` MB of float32 state (20 tensors, like a model's paramet
 updates every state tensor in place (the optimizer's pass over the parameters),
 all-reduces a small tensor (the collective that keeps the ranks in step) and offers a
 snapshot of the state (``snapshot()`` does nothing when the launcher keeps no snapshots).
-Rank 0 writes each step's wall time to ``--out`` as JSON.
+``--wait-s`` adds a sleep after the compute: a GPU step's host thread waiting for the
+device, which leaves its core to other work. Rank 0 writes each step's wall time to
+``--out`` as JSON, with its process's CPU time and its training thread's.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ def main() -> None:
     p.add_argument("--work", type=int, required=True, help="matmul rounds per step")
     p.add_argument("--size", type=int, default=256, help="the matmul's side")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--wait-s", type=float, default=0.0, help="sleep after the compute")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     rank = int(os.environ.get("RANK", "0"))
@@ -51,6 +54,8 @@ def main() -> None:
         x = a
         for _ in range(args.work):
             x = torch.tanh(x @ a)
+        if args.wait_s > 0:
+            time.sleep(args.wait_s)
         for t in state.values():
             t.mul_(0.999)
         if device.type == "cuda":
@@ -62,7 +67,8 @@ def main() -> None:
     dist.barrier()
     if rank == 0:
         with open(args.out, "w") as f:
-            json.dump({"step_s": step_s}, f)
+            json.dump({"step_s": step_s, "cpu_s": time.process_time(),
+                       "main_cpu_s": time.thread_time()}, f)
     ft.shutdown_workload_monitoring()
     dist.destroy_process_group()
 

@@ -436,6 +436,9 @@ def _snapshot_overhead_section(name: str) -> list[str]:
     steps = [p["step_median_without_s"] for p in doc["pairs"] if "step_median_without_s" in p]
     step = (f"steps of {_spread(steps, 2)} s (each run's median step, without snapshots)"
             if steps else f"steps of about {st['step_s']} s of compute")
+    if st.get("wait_s"):
+        step += (f", {st['wait_s']} s of each a sleep after the compute (a host thread "
+                 "waiting for its GPU)")
     every = st.get("every", "1")  # results written before the default frequency: every step
     with_ = ("the launcher's default frequency" if every == "auto"
              else f"`--ft-snapshot-every {every}`")
@@ -459,7 +462,20 @@ def _snapshot_overhead_section(name: str) -> list[str]:
             f"| overhead, % (with / without - 1, per pair; {len(pct)} pairs) | "
             f"{_spread(pct, 1)} |",
             f"| overhead from the third step on (slots claimed), % | "
-            f"{_spread([p['steady_overhead'] * 100 for p in doc['pairs']], 1)} |", ""]
+            f"{_spread([p['steady_overhead'] * 100 for p in doc['pairs']], 1)} |",
+            *_snapshot_cpu_rows(doc["pairs"]), ""]
+
+
+def _snapshot_cpu_rows(pairs: list[dict]) -> list[str]:
+    """The interval and rank 0's CPU time outside its training thread, where recorded."""
+    if "background_cpu_with_s" not in pairs[0]:
+        return []
+    every = [p["every"] for p in pairs if p["every"] is not None]
+    return [f"| interval the ranks agreed on, steps | {_spread(every, 0)} |",
+            "| rank 0's CPU time outside its training thread without snapshots, s | "
+            f"{_spread([p['background_cpu_without_s'] for p in pairs], 2)} |",
+            "| the same with snapshots (slot claims, background commits), s | "
+            f"{_spread([p['background_cpu_with_s'] for p in pairs], 2)} |"]
 
 
 def _snapshot_overhead_ddp_section(name: str, doc: dict) -> list[str]:
