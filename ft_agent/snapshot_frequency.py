@@ -5,7 +5,7 @@ Without ``--ft-snapshot-every``, each rank measures what a snapshot costs it (th
 ``snapshot()`` calls), and reports that; the launcher turns every rank's measure into one
 interval in steps (``wanted_every``: the fewest steps between snapshots that keep the time
 ``snapshot()`` blocks, plus the background commit's CPU time when the node has no idle
-core, under ``budget`` of the step time), changes it only when that matters
+core for it (``node_busy``), under ``budget`` of the step time), changes it only when that matters
 (``settle``), and announces it as a grid segment, "every N steps from iteration X", with
 X far enough ahead of every rank (``start_of``) that every rank of the world switches at
 the same iteration. ``Grid.due`` is the rank's test: the first call at or past each point
@@ -86,8 +86,13 @@ class Measure:
 
 
 def node_busy(cpus: Iterable[float], cores: int) -> bool:
-    """Whether the ranks of a node leave less than one core idle."""
-    return cores - sum(cpus) < 1.0
+    """Whether the ranks of a node (``cpus``: the cores each keeps busy on average) leave
+    no core to a background commit: less than one idle on average, or no more cores than
+    ranks. Ranks in step compute at the same moments, and a commit started at a step's end
+    runs into the next step's compute: two ranks on 2 cores that compute half of each step
+    gave it no idle core, and snapshots cost them as much as ranks that compute all of it."""
+    cpus = list(cpus)
+    return cores <= len(cpus) or cores - sum(cpus) < 1.0
 
 
 def wanted_every(costs: Mapping[int, tuple[float, float]], budget: float) -> int:

@@ -65,7 +65,11 @@ def test_the_interval_keeps_the_cost_under_the_budget():
     assert wanted_every({}, 0.02) == 1
     m = Measure(blocking_s=0.017, commit_s=0.017, step_s=1.0, cpu=1.0)
     assert m.cost_s(busy=False) == 0.017 and m.cost_s(busy=True) == 0.034
-    assert node_busy([1.0, 1.0], cores=2) and not node_busy([0.1, 0.2], cores=2)
+    assert node_busy([1.0, 1.0], cores=2) and not node_busy([0.1, 0.2], cores=4)
+    assert node_busy([1.0, 1.0, 1.5], cores=4)  # less than a core idle
+    # Ranks in step that compute half of each step, on as many cores: their compute takes
+    # every core at the same moments, whatever the average.
+    assert node_busy([0.5, 0.5], cores=2) and not node_busy([0.5], cores=2)
     assert not node_busy([1.0] * 8, cores=16)
 
 
@@ -139,7 +143,7 @@ class Clock:
         return self.t
 
 
-def coordinator(tmp_path: Path, ranks: int = 2, budget: float = 0.02, cores: int = 2
+def coordinator(tmp_path: Path, ranks: int = 2, budget: float = 0.02, cores: int = 4
                 ) -> tuple[Coordinator, list[tuple[str, dict]], Clock]:
     evs: list[tuple[str, dict]] = []
     clock = Clock()
@@ -228,6 +232,14 @@ def test_the_commit_counts_when_the_node_has_no_idle_core(tmp_path):
     measure(idle, 1, at=3, blocking=0.017, step=1.0, commit=0.017, cpu=1.0)
     assert plan_file(tmp_path / "idle").grid[-1][1] == 1
     assert evs[-1][1]["commit_counted"] is False
+    # Two ranks in step on 2 cores, computing half of each step: one core idle on average,
+    # none while they compute, when the commit runs.
+    (tmp_path / "half").mkdir()
+    half, evs, _ = coordinator(tmp_path / "half", cores=2)
+    measure(half, 0, at=3, blocking=0.017, step=1.0, commit=0.017, cpu=0.5)
+    measure(half, 1, at=3, blocking=0.017, step=1.0, commit=0.017, cpu=0.5)
+    assert plan_file(tmp_path / "half").grid[-1][1] == 2
+    assert evs[-1][1]["commit_counted"] is True
 
 
 def test_a_rank_that_never_measures_is_waited_for_a_bounded_time(tmp_path):
