@@ -437,8 +437,8 @@ def _snapshot_overhead_section(name: str) -> list[str]:
     step = (f"steps of {_spread(steps, 2)} s (each run's median step, without snapshots)"
             if steps else f"steps of about {st['step_s']} s of compute")
     if st.get("wait_s"):
-        step += (f", {st['wait_s']} s of each a sleep after the compute (a host thread "
-                 "waiting for its GPU)")
+        step += (f", of which {st['wait_s']} s a sleep after the compute (as a host "
+                 "thread waits for its GPU)")
     every = st.get("every", "1")  # results written before the default frequency: every step
     with_ = ("the launcher's default frequency" if every == "auto"
              else f"`--ft-snapshot-every {every}`")
