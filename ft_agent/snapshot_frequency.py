@@ -5,11 +5,11 @@ Without ``--ft-snapshot-every``, each rank measures what a snapshot costs it (th
 ``snapshot()`` calls), and reports that; the launcher turns every rank's measure into one
 interval in steps (``wanted_every``: the fewest steps between snapshots that keep the time
 ``snapshot()`` blocks, plus the background commit's CPU time when the node has no idle
-core for it (``node_busy``), under ``budget`` of the step time), changes it only when that matters
-(``settle``), and announces it as a grid segment, "every N steps from iteration X", with
-X far enough ahead of every rank (``start_of``) that every rank of the world switches at
-the same iteration. ``Grid.due`` is the rank's test: the first call at or past each point
-of the grid.
+core for it (``node_busy``), under ``budget`` of the step time), changes it only when that
+matters (``settle``), and announces it as a grid segment, "every N steps from iteration X",
+with X far enough ahead of every rank (``start_of``) that every rank of the world switches
+at the same iteration. ``Grid.due`` is the rank's test: the first call at or past each
+point of the grid.
 """
 
 from __future__ import annotations
