@@ -212,7 +212,7 @@ def test_a_slowed_rank_s_section_takes_factor_times_its_work_and_is_named(tmp_pa
         # sleeps two thirds of its section, so a busy machine's scheduler hands it the core
         # first and its peer's work waits (on a busy CI machine the peer's ~7 ms of work took
         # 15.3 ms, the slowed rank's 7.4 ms: x1.46). Slower than the peer, as the verdict needs,
-        # and no more than the factor allows.
+        # and below 5 (factor 3, with room for the peer's noise).
         assert 1.2 < ratio < 5.0, got["output"][-2000:]
     assert {e["rank"] for e in got["after"]} == {1}, got["after"]
     # Before the onset nothing is slowed, but 2 shared cores under a busy CI machine can
