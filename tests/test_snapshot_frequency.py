@@ -220,26 +220,21 @@ def test_a_copy_from_before_a_restart_further_back_does_not_delay_the_grid(tmp_p
     assert plan_file(tmp_path).grid == ((12, 10),)  # not from 50
 
 
-def test_the_commit_counts_when_the_node_has_no_idle_core(tmp_path):
-    c, evs, _ = coordinator(tmp_path, cores=2)
-    measure(c, 0, at=3, blocking=0.017, step=1.0, commit=0.017, cpu=1.0)
-    measure(c, 1, at=3, blocking=0.017, step=1.0, commit=0.017, cpu=1.0)
-    assert plan_file(tmp_path).grid[-1][1] == 2  # 34 ms per snapshot, 2 % of 1 s
-    assert evs[-1][1]["commit_counted"] is True
-    (tmp_path / "idle").mkdir()
-    idle, evs, _ = coordinator(tmp_path / "idle", cores=16)
-    measure(idle, 0, at=3, blocking=0.017, step=1.0, commit=0.017, cpu=1.0)
-    measure(idle, 1, at=3, blocking=0.017, step=1.0, commit=0.017, cpu=1.0)
-    assert plan_file(tmp_path / "idle").grid[-1][1] == 1
-    assert evs[-1][1]["commit_counted"] is False
+# (cores, each rank's CPU, interval, commit counted) for 2 ranks whose snapshot blocks 17 ms
+# and whose commit takes 17 ms of CPU, on 1 s steps: counted, 34 ms is every 2 steps at 2 %.
+@pytest.mark.parametrize(("cores", "cpu", "every", "counted"), [
+    (2, 1.0, 2, True),  # every core busy
+    (16, 1.0, 1, False),  # idle cores for the commit
     # Two ranks in step on 2 cores, computing half of each step: one core idle on average,
     # none while they compute, when the commit runs.
-    (tmp_path / "half").mkdir()
-    half, evs, _ = coordinator(tmp_path / "half", cores=2)
-    measure(half, 0, at=3, blocking=0.017, step=1.0, commit=0.017, cpu=0.5)
-    measure(half, 1, at=3, blocking=0.017, step=1.0, commit=0.017, cpu=0.5)
-    assert plan_file(tmp_path / "half").grid[-1][1] == 2
-    assert evs[-1][1]["commit_counted"] is True
+    (2, 0.5, 2, True),
+], ids=["busy", "idle", "half"])
+def test_the_commit_counts_when_the_node_has_no_idle_core(tmp_path, cores, cpu, every, counted):
+    c, evs, _ = coordinator(tmp_path, cores=cores)
+    measure(c, 0, at=3, blocking=0.017, step=1.0, commit=0.017, cpu=cpu)
+    measure(c, 1, at=3, blocking=0.017, step=1.0, commit=0.017, cpu=cpu)
+    assert plan_file(tmp_path).grid[-1][1] == every
+    assert evs[-1][1]["commit_counted"] is counted
 
 
 def test_a_rank_that_never_measures_is_waited_for_a_bounded_time(tmp_path):
