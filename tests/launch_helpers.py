@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import psutil
@@ -133,3 +135,19 @@ def mounted_tmpfs(size: str, mode: str = "0755", prefix: str = "ft_tmpfs_"):
     finally:
         subprocess.run(["umount", "-l", str(path)], capture_output=True, timeout=30)
         path.rmdir()
+
+
+def slower_by_the_log(times: Mapping[int, Sequence[tuple[float, ...]]], verdict: Mapping,
+                      window: int = 12) -> float:
+    """How much slower the rank a ``straggler_detected`` verdict names ran its last
+    ``window`` sections before the verdict than the other ranks ran the same steps, by the
+    job's own log (tests/scripts/straggler_train.py): the median of its sections over the
+    median of theirs. ``times``: rank -> (wall time at the step's end, section seconds, ...)
+    per step, in step order. A true verdict at the default threshold (1.3) shows at least
+    1.2 here: the log's last steps before the verdict's time may be a step off those the
+    launcher had heard of."""
+    mine = times[verdict["rank"]]
+    last = [i for i, row in enumerate(mine) if row[0] <= verdict["ts"]][-window:]
+    peers = [rows[i][1] for rank, rows in times.items() if rank != verdict["rank"]
+             for i in last if i < len(rows)]
+    return statistics.median(mine[i][1] for i in last) / statistics.median(peers)

@@ -13,13 +13,20 @@ from __future__ import annotations
 
 import os
 import socket
-import statistics
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
-from launch_helpers import ROOT, SCRIPTS, events, launcher_cmd, named, summary
+from launch_helpers import (
+    ROOT,
+    SCRIPTS,
+    events,
+    launcher_cmd,
+    named,
+    slower_by_the_log,
+    summary,
+)
 
 from ft_launcher.stragglers.straggler import speed_table
 
@@ -235,23 +242,11 @@ def test_a_clean_run_of_8_ranks_reports_no_straggler(run_dir: Path, tmp_path: Pa
     # others for longer than the persistence rule waits (rank 7 was named once, beside 2 busy
     # loops and the suite's other workers). Such a verdict must be true by the job's own
     # log; a verdict on a rank the log does not show slower fails the test.
+    times = {r: [(ts, c) for _, ts, c in steps(out, r)] for r in range(8)}
     for verdict in named(evs, "straggler_detected"):
-        ratio = slower_by_the_log(out, verdict, 8)
+        ratio = slower_by_the_log(times, verdict)
         assert ratio >= 1.2, (verdict, ratio)
 
-
-def slower_by_the_log(out: Path, verdict: dict, nproc: int, window: int = 12) -> float:
-    """How much slower the rank ``verdict`` names ran its last ``window`` sections before the
-    verdict than the other ranks ran the same steps, by the job's own log (the median of its
-    sections over the median of theirs). A true verdict at the default threshold (1.3) shows
-    at least 1.2 here: the log's last steps before the verdict's time may be a step off those
-    the launcher had heard of."""
-    mine = [(step, c) for step, ts, c in steps(out, verdict["rank"]) if ts <= verdict["ts"]]
-    mine = mine[-window:]
-    theirs = [{step: c for step, _, c in steps(out, r)} for r in range(nproc)
-              if r != verdict["rank"]]
-    peers = [log[step] for step, _ in mine for log in theirs if step in log]
-    return statistics.median(c for _, c in mine) / statistics.median(peers)
 
 
 def test_device_times_reach_the_detector_and_name_the_rank(run_dir: Path):
