@@ -135,7 +135,8 @@ def test_a_frozen_node_is_dropped_and_once_thawed_writes_nothing_and_waits_as_sp
     # Written by the last world's rank 1 (CKPT_RANK once b is gone), whichever of a and c
     # the rendezvous made rank 1 (c, mostly; a, once, under the whole suite beside busy loops).
     writer = {s["node"] for s in last if s["rank"] == 1}
-    assert len(writer) == 1 and (final["node"], final["round"]) == (*writer, c_round), final
+    assert len(writer) == 1 and (final["node"], final["round"]) == (*writer, c_round), \
+        (final, writer)
     for node in ("a", "c"):
         got = sorted(s["step"] for s in last if s["node"] == node)
         assert got == list(range(got[0], TOTAL_STEPS)), (node, got[:5], got[-5:])
