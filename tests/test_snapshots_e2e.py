@@ -77,9 +77,10 @@ def started(run_dir: Path, rank: int) -> list[int]:
 def test_with_the_defaults_a_kill_during_a_write_resumes_from_the_newest_common_copy(
         tmp_path: Path):
     """The issue's case, no snapshot option given: 2 ranks, a 50 MB tensor each, 0.1 s
-    steps; rank 1 SIGKILLed right after the first snapshot it started at or after step 40,
-    so its write is cut short. Every rank resumes from the newest iteration both had
-    started (and so committed) before it: never from scratch, never older."""
+    steps; rank 1 SIGKILLed during the write of the first snapshot it started at or after
+    step 40 (after the copy, before the commit record). Every rank resumes from the newest
+    iteration both had started (and so committed) before it: never from scratch, never
+    older."""
     run_dir = tmp_path / "run"
     proc = run_launcher(run_dir, "--nproc-per-node", "2", "--max-restarts", "1", *FAST_STOP,
                         str(SCRIPTS / "snapshot_issue.py"), "--steps", "50", timeout=120)
