@@ -248,7 +248,6 @@ def test_a_clean_run_of_8_ranks_reports_no_straggler(run_dir: Path, tmp_path: Pa
         assert ratio >= 1.2, (verdict, ratio)
 
 
-
 def test_device_times_reach_the_detector_and_name_the_rank(run_dir: Path):
     """Sections with ``device=True`` under a real launcher; MOCK: the CUDA events only (no
     GPU here; tests/scripts/straggler_device_train.py). Wall times are equal (a fixed sleep)

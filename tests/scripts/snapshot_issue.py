@@ -6,11 +6,10 @@ taken) and ``client.restore()`` runs at start.
 In cycle 0, rank 1 SIGKILLs itself during the first write that a ``snapshot()`` call at or
 after --kill-at starts: the write's background thread is stopped at its checksums, after the
 copy and before the commit record (a kill after the call returns can land after that 10 ms
-commit: seen once, the main thread held off by a busy machine). Cycle 0 runs on past
---steps until then (up to 4 x --kill-at steps): on a loaded machine the
-default frequency can space the snapshots so widely that none starts between --kill-at
-and --steps. Each rank prints every snapshot it started ("started N") and where it
-resumed from.
+commit, the main thread held off by a busy machine). Cycle 0 runs on past --steps until then
+(up to 4 x --kill-at steps): on a loaded machine the default frequency can space the
+snapshots so widely that none starts between --kill-at and --steps. Each rank prints every
+snapshot it started ("started N") and where it resumed from.
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ def kill_during_the_next_write() -> threading.Event:
     """Arm the kill: the next write's checksums (its background thread) wait until the
     returned event is set, once the main thread has printed that the write started, then
     SIGKILL the process. A test hook on the store's private checksum name."""
-    assert callable(store.crc32), "the store no longer checksums through ft_agent.snapshot.crc32"
+    assert hasattr(store, "crc32"), "the store no longer checksums through ft_agent.snapshot.crc32"
     printed = threading.Event()
 
     def checksum_then_die(*args, **kwargs):
