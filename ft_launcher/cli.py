@@ -351,8 +351,10 @@ CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 @click.option("--master-port", "--master_port", "master_port", type=int, default=None,
               help="Port for the workers' process group [a free port, new each cycle].")
 @click.option("--rdzv-backend", "--rdzv_backend", "rdzv_backend", default="static",
-              type=click.Choice(["static", "c10d", "etcd-v2"]), show_default=True,
-              help="Rendezvous for several nodes (etcd-v2: no single point of failure).")
+              type=click.Choice(["static", "c10d", "etcd", "torch-c10d", "etcd-v2"]),
+              show_default=True,
+              help="Rendezvous for several nodes: c10d (a store one launcher hosts), etcd "
+                   "(v3: no single point of failure); torch-c10d and etcd-v2 are torch's.")
 @click.option("--rdzv-endpoint", "--rdzv_endpoint", "rdzv_endpoint", default="",
               help="host:port of the c10d store, or host:port[,host:port...] of etcd.")
 @click.option("--rdzv-id", "--rdzv_id", "rdzv_id", default="none", show_default=True,
@@ -398,7 +400,7 @@ CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
                    "SIGKILL when the launcher is told to stop [TORCH_ELASTIC_SHUTDOWN_TIMEOUT, "
                    "else 30].")
 @click.option("--local-addr", "--local_addr", "local_addr", default=None,
-              help="Address this node advertises in a c10d or etcd-v2 rendezvous: its "
+              help="Address this node advertises in a dynamic rendezvous: its "
                    "workers' MASTER_ADDR when it holds group rank 0 [the address routed "
                    "towards the rendezvous endpoint].")
 @click.option("--role", default="default", show_default=True,
@@ -594,7 +596,7 @@ def _nodes(opts: dict[str, Any], src: _Sources) -> tuple[int, int, str]:
         backend = "static"
     if backend == "static" and max_nodes > 1 and min_nodes != max_nodes:
         raise ConfigError(f"{src('nnodes', '--nnodes')} MIN:MAX needs --rdzv-backend c10d "
-                          f"or etcd-v2")
+                          f"or etcd")
     node_rank, port = opts["node_rank"], opts["master_port"]
     if not 0 <= node_rank < max_nodes:
         raise ConfigError(f"{src('node_rank', '--node-rank')} {node_rank}: must be in "

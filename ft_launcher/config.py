@@ -311,7 +311,7 @@ class LaunchConfig:
     # exit is stuck in its teardown (hang/exit_watch.py); 0 = wait forever.
     workers_exit_timeout: float = 30.0
     role: str = "default"  # ROLE_NAME in the workers' environment (torchrun's --role)
-    # torchrun's --local-addr: the address this node advertises in a c10d/etcd-v2
+    # torchrun's --local-addr: the address this node advertises in a dynamic
     # rendezvous (its workers' MASTER_ADDR when it is group rank 0); None = found by route.
     local_addr: str | None = None
     # torchrun's --virtual-local-rank: LOCAL_RANK=0 for every worker, CUDA_VISIBLE_DEVICES

@@ -181,10 +181,13 @@ class Cycle:
         self.services = d.services
         self.group: GroupPort = d.new_group(events=d.events)
         self.slots: dict[int, RankSlot] = {}
-        self.peers = PeerWatch(d.rdzv, d.events, d.clock.monotonic, number, rnd)
         self.throttle: Any = None  # a rank_slow fault in progress
         self.hang = HangResponse(d.monitor, d.rundir.stacks, number,
-                                 d.cfg.ft.rank_termination_signal, d.events)
+                                 d.cfg.ft.rank_termination_signal, d.events, host=d.job.host,
+                                 verdicts=d.rdzv.verdict_channel(rnd))
+        self.peers = PeerWatch(d.rdzv, d.events, d.clock.monotonic, number, rnd,
+                               answer=lambda v: self.hang.answer_peer(self.group, v),
+                               faults=d.record.faults)
         self.stuck = StuckExits(d, number, self.hang)
 
     def run(self) -> CycleResult:
@@ -455,6 +458,9 @@ class Cycle:
         verdict: HangVerdict | None = self.d.monitor.check(now)
         if verdict is None:
             return None
-        verdict = self.hang.respond(self.group, verdict)
-        self.d.record.faults.append({"cycle": self.number, "kind": "hang", **asdict(verdict)})
-        return CycleResult(self.number, Outcome.HUNG, hang=verdict)
+        named = self.hang.respond(self.group, verdict)
+        if self.peers.is_peer(named):  # another node's rank: nothing was killed here
+            return self.peers.peer_result(named)
+        self.d.record.faults.append({"cycle": self.number, "kind": "hang",
+                                     "host": self.d.job.host, **asdict(named)})
+        return CycleResult(self.number, Outcome.HUNG, hang=named)

@@ -106,14 +106,19 @@ EVENTS: dict[str, EventDoc] = {
     "hang_detected": EventDoc(
         "faults", "a rank was judged hung",
         "rank, timeout_kind, timeout_s, silence_s, expired_rank, expired_silence_s, "
-        "detected_at, blame, suspects"),
+        "detected_at, blame, suspects, host"),
+    "peer_verdict": EventDoc(
+        "faults", "another node's hang verdict reached this node: its ranks' stacks are "
+        "dumped, none of them is killed, and the cycle ends for a new round",
+        "rank, node, host, group_rank, blame, timeout_kind, silence_s"),
     "stacks_dumped": EventDoc(
         "faults", "stacks of the node's ranks were written to stacks/", "ranks, missing"),
     "nccl_traces_collected": EventDoc(
         "faults", "NCCL flight-recorder dumps were filed in stacks/", "ranks, asked, missing"),
     "rank_killed": EventDoc(
         "faults", "the launcher sent the termination signal to a rank",
-        "rank, pid, signal, reason"),
+        "rank, pid, signal, reason, peers_answered (several nodes: how many other nodes "
+        "dumped their stacks first)"),
     # -- stragglers ---------------------------------------------------------------------
     "straggler_detected": EventDoc(
         "stragglers", "a rank is persistently slower than the others in the timed section",
@@ -130,10 +135,12 @@ EVENTS: dict[str, EventDoc] = {
         "waited_s, round, group_rank, group_world_size"),
     "peers_waiting": EventDoc(
         "nodes", "other nodes wait in the rendezvous or were lost: this node restarts",
-        "waiting, lost"),
+        "waiting, lost, why (why the next round opened)"),
     "node_dropped": EventDoc(
         "nodes", "this node found itself dropped from its round (after a stall); it re-joins",
-        "round, reason, frozen_s, next"),
+        "round, reason, why (keep-alive lapsed: the coordinator dropped it; fenced: it "
+        "counted itself out), node, last_seen_s (its last keep-alive, on the observer's "
+        "clock), frozen_s, next"),
     "stop_fence": EventDoc(
         "nodes", "a rank thawed after a long stop asked whether its round is still current",
         "rank, stopped_s, current, reason"),

@@ -11,7 +11,6 @@ from typing import Any
 from ft_launcher.config import LaunchConfig
 from ft_launcher.nodes.health import count_gpus, run_health_checks
 from ft_launcher.nodes.rendezvous import (
-    C10dRendezvous,
     RendezvousClosed,
     RendezvousLost,
     RoundInfo,
@@ -27,13 +26,22 @@ FIRST_CYCLE_WAIT_S = 60.0
 STANDBY_POLL_S = 0.01  # standbys say they are ready on a pump thread: polled while waiting
 
 
-def make_rendezvous(cfg: LaunchConfig,
-                    events: Callable[..., Any]) -> StaticRendezvous | C10dRendezvous:
-    if cfg.rdzv_backend in ("c10d", "etcd-v2"):
+def make_rendezvous(cfg: LaunchConfig, events: Callable[..., Any]) -> Any:
+    """The rendezvous of ``--rdzv-backend``: fixed addresses (one node, ``static``), the
+    launcher's own (``c10d``, ``etcd``), or torch's (``torch-c10d``, ``etcd-v2``). Each is
+    imported only when chosen: one node imports no torch."""
+    if cfg.rdzv_backend in ("c10d", "etcd"):
+        from ft_launcher.nodes.open import open_rendezvous
+
+        return open_rendezvous(cfg, events)
+    if cfg.rdzv_backend in ("torch-c10d", "etcd-v2"):
+        from ft_launcher.nodes.torch_rendezvous import DynamicRendezvous
+
         # events: spare_waiting / spare_admitted, emitted while next_round() waits.
-        return C10dRendezvous(cfg.rdzv_endpoint, cfg.rdzv_id, cfg.min_nodes, cfg.max_nodes,
-                              cfg.rdzv_conf, cfg.master_port, backend=cfg.rdzv_backend,
-                              events=events, local_addr=cfg.local_addr)
+        return DynamicRendezvous(cfg.rdzv_endpoint, cfg.rdzv_id, cfg.min_nodes,
+                                 cfg.max_nodes, cfg.rdzv_conf, cfg.master_port,
+                                 backend=cfg.rdzv_backend, events=events,
+                                 local_addr=cfg.local_addr)
     return StaticRendezvous(cfg.node_rank, cfg.max_nodes, cfg.master_addr, cfg.master_port)
 
 

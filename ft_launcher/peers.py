@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ft_launcher.nodes.records import RecordError, Verdict
 from ft_launcher.nodes.rendezvous import RendezvousLost
 from ft_launcher.policy import CycleResult, Outcome
 
@@ -21,8 +22,12 @@ class PeerWatch:
     may show that they went on without it; a poll shows nodes waiting or lost."""
 
     def __init__(self, rdzv: RendezvousPort, events: Callable[..., Any],
-                 monotonic: Callable[[], float], cycle: int, rnd: RoundInfo) -> None:
+                 monotonic: Callable[[], float], cycle: int, rnd: RoundInfo,
+                 answer: Callable[[Verdict], None] | None = None,
+                 faults: list[dict[str, Any]] | None = None) -> None:
         self.rdzv, self.events, self.monotonic = rdzv, events, monotonic
+        self.answer = answer  # another node's hang verdict: this node's stacks, its answer
+        self.faults = faults if faults is not None else []  # the job's record
         self.cycle, self.round_no = cycle, rnd.round
         # Why a rank's stop fence found this node out of its round (reason, seconds).
         self.fenced_out: tuple[str, float] | None = None
@@ -54,12 +59,15 @@ class PeerWatch:
             self.fenced_out = (standing.reason, stopped_s)
         return standing.current, standing.reason
 
-    def dropped(self, reason: str, frozen_s: float) -> CycleResult:
-        """The others went on without this node: its workers are stopped already; it
-        re-joins the rendezvous, as a hot spare when the round is full, or ends with the
-        job (``RendezvousClosed``)."""
+    def dropped(self, reason: str, frozen_s: float, why: str = "fenced",
+                last_seen_s: float | None = None) -> CycleResult:
+        """The others went on without this node (``why``: its keep-alive lapsed, as the
+        coordinator saw it ``last_seen_s`` ago; or "fenced": it counted itself out): its
+        workers are stopped already; it re-joins the rendezvous, as a hot spare when the
+        round is full, or ends with the job (``RendezvousClosed``)."""
         self.rdzv.mark_dropped()
-        self.events("node_dropped", round=self.round_no, reason=reason,
+        self.events("node_dropped", round=self.round_no, reason=reason, why=why,
+                    node=self.rdzv.node_name, last_seen_s=last_seen_s,
                     frozen_s=round(max(0.0, frozen_s), 3), next="rejoin")
         return CycleResult(self.cycle, Outcome.PEER_CHANGED, reason=f"node dropped: {reason}")
 
@@ -71,10 +79,40 @@ class PeerWatch:
             return CycleResult(self.cycle, Outcome.RENDEZVOUS_LOST, reason=str(exc))
         if view.dropped is not None:  # stopped inside this pass, or too slow to
             group.kill_all()  # keep alive: stale workers stop before they write
-            return self.dropped(view.dropped, self.monotonic() - since)
-        if view.waiting > 0 or view.lost:
+            return self.dropped(view.dropped, self.monotonic() - since, "keep-alive lapsed",
+                                view.last_seen_s)
+        if view.verdict is not None:
+            return self.peer_hang(view.verdict)
+        if view.waiting > 0 or view.lost or view.why:
             # lost: a node of this round stopped keeping alive (dead or frozen); its
             # ranks are gone from the collectives, so the round re-forms without it.
-            self.events("peers_waiting", waiting=view.waiting, lost=list(view.lost))
+            self.events("peers_waiting", waiting=view.waiting, lost=list(view.lost),
+                        why=view.why)
             return CycleResult(self.cycle, Outcome.PEER_CHANGED)
         return None
+
+    # -- a hang verdict of another node --------------------------------------------------
+
+    @staticmethod
+    def is_peer(named: Any) -> bool:
+        """A hang response named another node's rank (``nodes.records.Verdict``)."""
+        return isinstance(named, Verdict)
+
+    def peer_hang(self, fields: dict[str, Any]) -> CycleResult:
+        """Another node's hang verdict reached this node (the next round's notice): this
+        node's stacks, its answer, no kill; the cycle ends for the new round."""
+        try:
+            verdict = Verdict.from_dict(fields)
+        except RecordError:  # checked when decoded; a bad one still ends the round
+            return CycleResult(self.cycle, Outcome.PEER_CHANGED, reason="hang on a peer")
+        if self.answer is not None:
+            self.answer(verdict)
+        return self.peer_result(verdict)
+
+    def peer_result(self, verdict: Verdict) -> CycleResult:
+        """The cycle's end for another node's hang verdict: recorded against that node."""
+        self.faults.append({"cycle": self.cycle, "kind": "peer_hang", "rank": verdict.rank,
+                            "host": verdict.host, "node": verdict.node,
+                            "blame": verdict.blame})
+        return CycleResult(self.cycle, Outcome.PEER_CHANGED,
+                           reason=f"rank {verdict.rank} on {verdict.host} hung ({verdict.blame})")

@@ -285,7 +285,8 @@ _BY_OUTCOME: dict[Outcome, Callable[[CycleResult, JobState], Decision]] = {
     Outcome.SIGNALED: _decide_signaled,
     Outcome.CONTROL: _decide_control,
     Outcome.PEER_CHANGED: lambda result, state: Decision(
-        restart=True, reason="other nodes re-joined the rendezvous", counted=False),
+        restart=True, reason=result.reason or "other nodes re-joined the rendezvous",
+        counted=False),
     Outcome.UNHEALTHY: lambda result, state: stop(
         EXIT_FAILURE, result.reason or "health check failed", requeue=True,
         exclude=[state.host]),

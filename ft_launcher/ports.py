@@ -55,15 +55,27 @@ class MonitorPort(Protocol):
 
 
 class RendezvousPort(Protocol):
-    """The rendezvous while a cycle runs (joining is ``join.Joiner``'s)."""
+    """The rendezvous while a cycle runs (joining is ``join.Joiner``'s).
+
+    ``round_store`` and ``job_store`` are torch ``Store``s the services share facts
+    through (the round's own keys; the job's, e.g. the snapshot replicas' token), None
+    where nodes share no store (one node, fixed addresses); ``local_addr`` is the address
+    peers reach this node by; ``verdict_channel`` shares a hang verdict with the round's
+    other nodes (``nodes.verdicts``; None: the verdict stays on this node). Every backend
+    declares them."""
 
     polls_peers: bool
     stop_fence_s: float | None
+    round_store: Any
+    job_store: Any
+    local_addr: str
+    node_name: str  # this node in the rendezvous's own words (events)
 
     def next_round(self) -> RoundInfo: ...
     def standing(self, stalled_s: float) -> Standing: ...
     def poll_round(self) -> RoundView: ...
     def mark_dropped(self) -> None: ...
+    def verdict_channel(self, rnd: RoundInfo) -> Any: ...
     def exit_barrier(self, wait: bool, timeout: float = ...) -> None: ...
     def shutdown(self, close: bool = ...) -> None: ...
 

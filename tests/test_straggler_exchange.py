@@ -158,6 +158,11 @@ def test_no_exchange_for_one_node_or_a_static_rendezvous(store):
     class Dynamic:
         round_store = store
 
+    class Static:
+        round_store = None  # fixed addresses: no store the nodes share
+
     assert for_round(Dynamic(), 0, 1, "h") is None
-    assert for_round(object(), 0, 2, "h") is None
+    assert for_round(Static(), 0, 2, "h") is None
     assert isinstance(for_round(Dynamic(), 1, 2, "h"), Exchange)
+    with pytest.raises(AttributeError):  # a backend that lacks the store fails loudly
+        for_round(object(), 0, 2, "h")

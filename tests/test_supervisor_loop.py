@@ -238,6 +238,11 @@ class FakeMonitor:
 
 class FakeRendezvous:
     stop_fence_s = None
+    round_store = None
+    job_store = None
+    local_addr = "127.0.0.1"
+    node_name = "fake-node"
+    verdicts: Any = None  # a FakeVerdicts: the round's hang verdict is shared
 
     def __init__(self) -> None:
         self.polls_peers = False
@@ -260,6 +265,9 @@ class FakeRendezvous:
 
     def mark_dropped(self) -> None:
         self.dropped += 1
+
+    def verdict_channel(self, rnd: RoundInfo) -> Any:
+        return self.verdicts
 
     def exit_barrier(self, wait: bool, timeout: float = 300.0) -> None:
         self.barrier.append(wait)

@@ -2,11 +2,14 @@
 
 A deadline expired for one rank, but in a collective every rank goes silent with the one
 that stopped: the stacks and each rank's silence choose the culprit (``blame.choose``),
-and only the culprit is killed.
+and only the culprit is killed. With several nodes the verdict is the round's, not this
+node's alone (``nodes.verdicts``): the node with the strongest evidence names the culprit,
+every node dumps its ranks' stacks, and only the culprit's node kills.
 """
 
 from __future__ import annotations
 
+import logging
 import signal
 import time
 from collections.abc import Callable
@@ -16,7 +19,10 @@ from typing import Any, Protocol
 
 from ft_launcher.hang import blame, nccl_trace, stacks
 from ft_launcher.hang.liveness import HangVerdict
+from ft_launcher.nodes.records import Verdict
 from ft_launcher.process.workers import Worker, WorkerGroup
+
+log = logging.getLogger("ft_launcher")
 
 
 class HangFacts(Protocol):
@@ -38,9 +44,14 @@ class HangResponse:
     cycle: int
     kill_signal: int
     events: Callable[..., Any]
+    host: str = ""
     is_stopped: Callable[[int], bool] = stacks.is_stopped
+    verdicts: Any = None  # nodes.verdicts.VerdictChannel: the round's verdict, several nodes
 
-    def respond(self, group: WorkerGroup, verdict: HangVerdict) -> HangVerdict:
+    def respond(self, group: WorkerGroup, verdict: HangVerdict) -> HangVerdict | Verdict:
+        """Answer this node's verdict: the culprit named and killed (a ``HangVerdict``),
+        or, with several nodes, another node's verdict (a ``Verdict``: nothing killed
+        here)."""
         detected_at, checked = time.time(), time.monotonic()
         texts = self.dump_stacks(group)
         # Silences as of the verdict, not after the stacks were taken (tens of ms).
@@ -54,23 +65,54 @@ class HangResponse:
         if culprit is not None and culprit.rank != verdict.rank:
             verdict = HangVerdict(culprit.rank, self.monitor.local_rank(culprit.rank),
                                   verdict.timeout_kind, verdict.timeout_s, silent[culprit.rank])
+        why = culprit.why if culprit else "expired_first"
+        shared = None
+        if self.verdicts is not None:
+            claim = self.verdicts.claim(verdict.rank, why, verdict.timeout_kind,
+                                        verdict.silence_s)
+            shared = self.verdicts.decide(claim)
+            if shared.node != claim.node:
+                self.answer_peer(group, shared, texts)
+                return shared
         self.events("hang_detected", rank=verdict.rank, timeout_kind=verdict.timeout_kind,
                     timeout_s=verdict.timeout_s, silence_s=verdict.silence_s,
                     expired_rank=expired.rank, expired_silence_s=expired.silence_s,
-                    detected_at=round(detected_at, 6),
-                    blame=culprit.why if culprit else "expired_first",
-                    suspects=culprit.suspects if culprit else [])
-        self.kill(group, alive.get(verdict.rank))
+                    detected_at=round(detected_at, 6), blame=why,
+                    suspects=culprit.suspects if culprit else [], host=self.host)
+        answered = None
+        if shared is not None:  # the others dump their stacks before the culprit dies
+            self.verdicts.announce(shared)
+            answered = self.verdicts.await_answers()
+        self.kill(group, alive.get(verdict.rank), answered)
         return verdict
 
-    def kill(self, group: WorkerGroup, victim: Worker | None) -> None:
+    def answer_peer(self, group: WorkerGroup, verdict: Verdict,
+                    texts: dict[int, str] | None = None) -> None:
+        """Another node named a rank of its own: dump this node's stacks (unless just
+        dumped), say so, kill nothing."""
+        if texts is None:
+            self.dump_stacks(group)
+        self.events("peer_verdict", rank=verdict.rank, node=verdict.node, host=verdict.host,
+                    group_rank=verdict.group_rank, blame=verdict.blame,
+                    timeout_kind=verdict.timeout_kind, silence_s=verdict.silence_s)
+        if self.verdicts is not None:
+            try:
+                self.verdicts.answer()
+            except ConnectionError as exc:  # the store is gone: the round ends anyway
+                log.warning("hang: cannot answer node %s's verdict: %s", verdict.node, exc)
+
+    def kill(self, group: WorkerGroup, victim: Worker | None,
+             answered: int | None = None) -> None:
+        """SIGCONT and the termination signal to the culprit; ``answered``: how many other
+        nodes dumped their stacks first (several nodes)."""
         if victim is None:
             return
         signum = self.kill_signal
         group.send_signal(victim, signal.SIGCONT)
         group.send_signal(victim, signum)
+        extra = {} if answered is None else {"peers_answered": answered}
         self.events("rank_killed", rank=victim.rank, pid=victim.pid,
-                    signal=signal.Signals(signum).name, reason="hang")
+                    signal=signal.Signals(signum).name, reason="hang", **extra)
 
     def dump_stacks(self, group: WorkerGroup) -> dict[int, str]:
         """Stacks of every live local rank, written to stacks/; returns them by rank."""

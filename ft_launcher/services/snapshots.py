@@ -4,18 +4,21 @@ reports, and the push of new local commits to the buddies (``snapshots.service``
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ft_launcher.nodes.rendezvous import RoundInfo
 from ft_launcher.services.seam import CycleService, CycleStart, RankFeeds
 from ft_launcher.snapshots import reports
 from ft_launcher.snapshots.service import JobSnapshots, WorldRound
 
+if TYPE_CHECKING:
+    from ft_launcher.ports import RendezvousPort
+
 
 class SnapshotService(CycleService):
     """The job's ``JobSnapshots`` (on: ``--ft-snapshot-every``) at the cycle's hooks."""
 
-    def __init__(self, snapshots: JobSnapshots, rdzv: Any) -> None:
+    def __init__(self, snapshots: JobSnapshots, rdzv: RendezvousPort) -> None:
         self.snapshots, self.rdzv = snapshots, rdzv
         self.env: dict[int, dict[str, str]] = {}
 
@@ -42,11 +45,11 @@ class SnapshotService(CycleService):
         self.snapshots.close()  # the job's snapshots go with it
 
 
-def snapshot_world(rdzv: Any, rnd: RoundInfo) -> WorldRound | None:
+def snapshot_world(rdzv: RendezvousPort, rnd: RoundInfo) -> WorldRound | None:
     """How this node's snapshots agree with the other nodes' this round: through the
     round's rendezvous store; None with one node or static addresses (no shared store)."""
-    store = getattr(rdzv, "round_store", None)
+    store = rdzv.round_store
     if rnd.group_world_size < 2 or store is None:
         return None
-    return WorldRound(store, getattr(rdzv, "job_store", None), rnd.round, rnd.group_rank,
-                      rnd.group_world_size, getattr(rdzv, "local_addr", "127.0.0.1"))
+    return WorldRound(store, rdzv.job_store, rnd.round, rnd.group_rank, rnd.group_world_size,
+                      rdzv.local_addr)

@@ -156,7 +156,7 @@ def for_round(rdzv: Any, group_rank: int, nodes: int, host: str) -> Exchange | N
     so no publication of a previous round is ever read."""
     if nodes < 2:
         return None
-    store = getattr(rdzv, "round_store", None)  # StaticRendezvous has no shared store
+    store = rdzv.round_store  # None: no shared store (fixed addresses)
     if store is None:
         return None
     return Exchange(store, group_rank, nodes, host)

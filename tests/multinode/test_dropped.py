@@ -12,7 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from ft_launcher.nodes.rendezvous import DynamicRendezvous, RendezvousClosed, out_of_round
+from ft_launcher.nodes.rendezvous import RendezvousClosed
+from ft_launcher.nodes.torch_rendezvous import DynamicRendezvous, out_of_round
 
 from .conftest import free_ports, in_thread
 

@@ -1,5 +1,6 @@
-"""The rendezvous layer on its own: timings and their parsing, torch's hooks taking effect,
-hot-spare events, and a lost c10d store (real TCPStores and torch handlers, no launcher)."""
+"""torch's rendezvous (``--rdzv-backend torch-c10d``, ``etcd-v2``) on its own: timings and
+their parsing, torch's hooks taking effect, hot-spare events, and a lost c10d store (real
+TCPStores and torch handlers, no launcher)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,12 @@ import pytest
 
 from ft_launcher.config import ConfigError
 from ft_launcher.nodes.rendezvous import (
-    DynamicRendezvous,
     RendezvousClosed,
     RendezvousLost,
     RendezvousTimings,
-    install_poll_interval,
     parse_endpoints,
 )
+from ft_launcher.nodes.torch_rendezvous import DynamicRendezvous, install_poll_interval
 
 from .conftest import free_ports, in_thread, wait_until
 

@@ -1,0 +1,164 @@
+"""Where a job's rendezvous lives: the store each node talks to, and who coordinates.
+
+``C10dPlace`` (``--rdzv-backend c10d``): a c10d ``TCPStore`` at ``--rdzv-endpoint``, hosted
+by the launcher on that machine that binds the port first (torchrun's rule; ``is_host`` in
+``--rdzv-conf`` decides it explicitly); that launcher also runs the coordinator. Its loss is
+the store's loss: the others end with ``RendezvousLost`` (requeue, no node blamed).
+
+Every node uses a few clients of its own (a c10d client serves one thread): the main
+thread's, the pulse's, and one for the services' per-round and per-job stores.
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+from typing import Any
+
+from ft_launcher.config import ConfigError
+from ft_launcher.nodes.coordinator import CoordinatorLoop
+from ft_launcher.nodes.kv import C10dKV, StoreUnreachable, connect, host_store, local_addresses
+from ft_launcher.nodes.pulse import Pulse
+from ft_launcher.nodes.records import START, Keys, Notice
+from ft_launcher.nodes.rendezvous import RendezvousError, RendezvousTimings, parse_endpoints
+from ft_launcher.nodes.rounds import CloseRule, CoordinatorCore, KeepAliveBook
+
+log = logging.getLogger("ft_launcher")
+
+C10D_DEFAULT_PORT = 29400  # torchrun's
+ROUND_KEY = "round"  # the latest round opened, for launchers that arrive later
+CLOSED_KEY = "closed"  # the job is over
+
+
+def parse_bool(key: str, text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "y", "on"):
+        return True
+    if value in ("0", "false", "no", "n", "off"):
+        return False
+    raise ConfigError(f"--rdzv-conf {key}: expected true or false, got {text!r}")
+
+
+def raise_file_limit() -> None:
+    """The store's host holds a few connections per node: lift the soft limit on open
+    files to the hard one (a 1,000-node job needs about 3,000)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError) as exc:
+            log.debug("rendezvous: cannot raise the open-file limit: %s", exc)
+
+
+def coordinator_for(timings: RendezvousTimings, min_nodes: int, max_nodes: int,
+                    kv: C10dKV, first_round: int, why: str, me: str,
+                    on_round: Any) -> CoordinatorLoop:
+    """A coordinator that opens ``first_round`` (``why``) and runs from there."""
+    kv.create(Keys.open(first_round), Notice(first_round, why, me).encode())
+    on_round(first_round)
+    core = CoordinatorCore(CloseRule(min_nodes, max_nodes, timings.last_call_timeout),
+                           KeepAliveBook(timings.dead_after, timings.keep_alive_interval),
+                           me, round=first_round)
+    loop = CoordinatorLoop(kv, core, timings.keep_alive_interval, timings.poll_interval,
+                           on_round)
+    loop.start()
+    return loop
+
+
+class C10dPlace:
+    """The job's rendezvous in one c10d store (see the module docstring)."""
+
+    backend = "c10d"
+    coordinator_replaceable = False
+    lost_grace_s = 0.0  # a c10d client never reconnects: its first broken request is final
+
+    def __init__(self, endpoint: str, run_id: str, timings: RendezvousTimings,
+                 min_nodes: int, max_nodes: int, extra: dict[str, str], me: str) -> None:
+        self.endpoint, self.timings = endpoint, timings
+        self.prefix = f"ft_launcher/{run_id}"
+        (self.host, self.port), *more = parse_endpoints(endpoint, C10D_DEFAULT_PORT)
+        if more:
+            raise ConfigError(f"--rdzv-endpoint {endpoint}: c10d takes one host:port")
+        is_host = extra.pop("is_host", None)
+        if extra:
+            raise ConfigError(f"--rdzv-conf: unknown key(s) for c10d: {', '.join(sorted(extra))}")
+        wants_host = parse_bool("is_host", is_host) if is_host is not None \
+            else self.host in local_addresses()
+        self.server = host_store(self.host, self.port, timings.dead_after) \
+            if wants_host else None
+        if wants_host and is_host is not None and self.server is None:
+            raise RendezvousError(f"--rdzv-endpoint {endpoint}: is_host=true but port "
+                                  f"{self.port} is taken")
+        self._clients: list[Any] = []
+        self._services: Any = None
+        self.coordinator: CoordinatorLoop | None = None
+        if self.server is not None:
+            raise_file_limit()
+            kv = C10dKV(self.client())
+            first = self._latest(kv)
+            self.coordinator = coordinator_for(
+                timings, min_nodes, max_nodes, kv, first, START, f"coordinator-{me}",
+                lambda g: kv.set(ROUND_KEY, str(g).encode()))
+        self.main = self.round_kv()  # the main thread's client
+
+    def client(self) -> Any:
+        """A new client of the job's keys (one per thread that uses it)."""
+        import torch.distributed as dist
+
+        raw = connect(self.host, self.port, self.timings.read_timeout or 60.0)
+        raw.set_timeout(_seconds(self.timings.dead_after))
+        self._clients.append(raw)
+        return dist.PrefixStore(self.prefix, raw)
+
+    def round_kv(self) -> C10dKV:
+        return C10dKV(self.client())
+
+    def pulse(self, node: str) -> Pulse:
+        pulse = Pulse(self.round_kv(), node, self.timings.keep_alive_interval)
+        try:
+            pulse.start()
+        except StoreUnreachable as exc:
+            raise RendezvousError(f"--rdzv-endpoint {self.endpoint}: the store does not "
+                                  f"answer ({exc})") from None
+        return pulse
+
+    def _services_client(self) -> Any:
+        if self._services is None:
+            self._services = self.client()
+        return self._services
+
+    def services_store(self, prefix: str) -> Any:
+        import torch.distributed as dist
+
+        return dist.PrefixStore(prefix, self._services_client())
+
+    def job_store(self) -> Any:
+        return self.services_store("job")
+
+    @staticmethod
+    def _latest(kv: C10dKV) -> int:
+        data = kv.get(ROUND_KEY)
+        try:
+            return int(data) if data is not None and len(data) < 20 else 0
+        except ValueError:
+            return 0
+
+    def latest_round(self) -> int:
+        return self._latest(self.main)
+
+    def closed(self) -> bool:
+        return self.main.get(CLOSED_KEY) is not None
+
+    def close_job(self) -> None:
+        self.main.set(CLOSED_KEY, b"1")
+
+    def close(self) -> None:
+        if self.coordinator is not None:
+            self.coordinator.stop()
+        self._clients.clear()
+
+
+def _seconds(s: float) -> Any:
+    from datetime import timedelta
+
+    return timedelta(seconds=s)
