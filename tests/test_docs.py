@@ -192,9 +192,11 @@ def test_every_ft_variable_in_the_code_is_documented():
     assert not found - _documented_env(), sorted(found - _documented_env())
 
 
-def _path_pattern(documented: str) -> re.Pattern:
+def _path_pattern(documented: str, contents: bool = True) -> re.Pattern:
+    """A documented path as a pattern: <n> and <r> any number; a directory (a trailing /)
+    with everything in it, unless ``contents`` is False."""
     text = re.escape(documented).replace("<n>", r"\d+").replace("<r>", r"\d+")
-    return re.compile(text + (".*" if documented.endswith("/") else ""))
+    return re.compile(text + (".*" if documented.endswith("/") and contents else ""))
 
 
 def test_every_path_a_run_leaves_is_documented_and_every_documented_one_is_made(
@@ -205,10 +207,11 @@ def test_every_path_a_run_leaves_is_documented_and_every_documented_one_is_made(
     rows = {f.path: _path_pattern(f.path) for f in FILES}
     made = {str(p.relative_to(run_dir)) + ("/" if p.is_dir() else "")
             for run_dir, _, _ in static_launches for p in run_dir.rglob("*")}
-    parents = {str(Path(f.path).parent) + "/" for f in FILES} | {"logs/cycle_0/",
-                                                                 "logs/cycle_1/"}
-    unknown = sorted(p for p in made
-                     if p not in parents and not any(rx.fullmatch(p) for rx in rows.values()))
+    # The directories that hold a documented path (logs/, logs/cycle_<n>/, stacks/).
+    holders = [_path_pattern(f"{parent}/", contents=False) for f in FILES
+               for parent in Path(f.path).parents if str(parent) != "."]
+    unknown = sorted(p for p in made if not any(rx.fullmatch(p)
+                                                for rx in [*rows.values(), *holders]))
     assert not unknown, (f"not in docs/reference/run-directory.md: {unknown}; add a RunFile to "
                          f"FILES in ft_launcher/rundir.py, then run `{RENDER}`")
     # What no CPU run here makes, checked where the code names it: the file torch's @record
@@ -376,8 +379,9 @@ CLAIMS = (
                                          "test_malformed_and_unauthenticated_messages_change_"
                                          "nothing")),
     # Which ranks' stacks a hang dumps: said here only; the other pages link to it.
-    Claim("docs/hang-detection.md", "On one node, every rank's stacks; on several nodes, the "
-          "stacks of the ranks on the node that judged the hang (the other nodes dump none).",
+    Claim("docs/hang-detection.md", "On one node, the stacks of every rank still running; on "
+          "several nodes, the stacks of the ranks on the node that judged the hang (the other "
+          "nodes dump none).",
           figures=_no_cross_node_verdict,
           tests=("tests/test_docs.py::test_a_hang_on_one_node_dumps_the_stacks_of_every_rank",
                  HANG_E2E)),
@@ -389,6 +393,13 @@ CLAIMS = (
           tests=DEMO_RESUMES),
     Claim("examples/train_ddp.py", "After a restart every rank resumes from the newest "
           "snapshot every rank holds in memory, else from the checkpoint", tests=DEMO_RESUMES),
+    Claim("docs/observability.md", "last checkpoint (`checkpoint_saved`, or the snapshot the "
+          "next cycle restored, which counts as a checkpoint of its step) → the fault",
+          tests=("tests/test_snapshots.py::"
+                 "test_ledger_counts_work_lost_from_the_restored_snapshot",)),
+    Claim("docs/README.md", "resume from the newest step every rank holds, not the last "
+          "checkpoint", tests=("tests/test_snapshots.py::"
+                               "test_pick_iteration_is_the_newest_every_rank_has", *DEMO_RESUMES)),
     Claim("docs/reference/environment.md", "unless `--ft-snapshot-every off` (the default is "
           "`{}`)", lambda: (_ft("snapshot_every"),)),
     # Defaults and figures.
