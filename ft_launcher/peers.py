@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 # What a rendezvous that can drop a node adds to a worker's environment, as
 # docs/reference/environment.md lists it: PeerWatch.worker_env's variables, and one that
-# DynamicRendezvous sets in the launcher's own environment (nodes/rendezvous.py), which the
+# torch's dynamic rendezvous sets in the launcher's own environment (nodes/), which the
 # workers inherit.
 PEER_ENV = (
     EnvDoc(("FT_STOP_FENCE_S", "FT_RDZV_ROUND"),
@@ -26,8 +26,8 @@ PEER_ENV = (
            "stop after which a thawed rank asks whether its round is still current, and the "
            "round ([several nodes](../several-nodes.md#a-frozen-node))"),
     EnvDoc(("TORCH_DISABLE_SHARE_RDZV_TCP_STORE",),
-           "`1` with `--rdzv-backend c10d` or `etcd-v2`: the workers form their own store "
-           "each cycle rather than share the rendezvous's"),
+           "`1` with torch's own dynamic rendezvous: the workers form their own store each "
+           "cycle rather than share the rendezvous's"),
 )
 
 
