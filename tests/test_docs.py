@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from launch_helpers import finish, launcher_cmd
+from launch_helpers import NO_PRELOADS, finish, launcher_cmd
 
 from ft_launcher.events import EVENTS
 
@@ -70,16 +70,8 @@ def test_a_fragment_is_rendered_between_its_markers_and_a_missing_one_stops_the_
         render.with_fragments("README.md", "the list, without its markers\n")
 
 
-def _pyproject() -> dict:
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10: pytest depends on tomli there
-        import tomli as tomllib
-    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-
-
 def test_every_dependency_and_extra_of_pyproject_is_on_the_pages():
-    project = _pyproject()
+    project = render._pyproject()
     readme = " ".join(README.read_text().split())
     started = (DOCS / "getting-started.md").read_text()
     for req in project["dependencies"]:
@@ -111,7 +103,7 @@ def _probe(where: Path, launcher_args: tuple[str, ...], script_args: tuple[str, 
     out, run_dir = where / "env", where / "run"
     out.mkdir()
     proc = subprocess.Popen(
-        launcher_cmd(run_dir, "--ft-preload", "", "--nproc-per-node", "2", *launcher_args,
+        launcher_cmd(run_dir, *NO_PRELOADS, "--nproc-per-node", "2", *launcher_args,
                      str(ROOT / "tests" / "scripts" / "docs_probe.py"), str(out), *script_args),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
     output = finish(proc, 120)
