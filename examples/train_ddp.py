@@ -8,10 +8,13 @@ With ``--device cuda`` each rank trains on ``cuda:LOCAL_RANK`` (the launcher's r
 ``CUDA_VISIBLE_DEVICES`` makes that the rank's GPU) and DDP runs over NCCL, also with one
 rank, so NCCL is exercised on a single GPU.
 
-Every rank sends a heartbeat per step through ft_agent (a no-op outside ft_launcher).
-Rank 0 writes a checkpoint every --ckpt-every steps; after a restart every rank resumes
-from it, so a crash loses at most --ckpt-every steps. The data of step N is generated from
-a seed and N, so a resumed run computes exactly what an uninterrupted one would.
+Every rank sends a heartbeat per step through ft_agent (a no-op outside ft_launcher) and
+offers a snapshot of its state every --snapshot-every steps (the launcher's frequency
+decides which are taken; snapshots are on by default); rank 0 writes a checkpoint every
+--ckpt-every steps. After a restart every rank resumes from the newest snapshot every rank
+holds in memory, else from the checkpoint, so with snapshots off a crash loses at most
+--ckpt-every steps. The data of step N is generated from a seed and N, so a resumed run
+computes exactly what an uninterrupted one would.
 
 SIGUSR1 (Slurm's ``--signal=B:USR1@N`` before a time limit, passed on by ft_launcher) makes
 every rank stop at the same step, checkpoint and exit 0, so the job can be requeued.

@@ -11,10 +11,25 @@ from typing import TYPE_CHECKING, Any
 from ft_launcher.nodes.records import RecordError, Verdict
 from ft_launcher.nodes.rendezvous import RendezvousLost
 from ft_launcher.policy import CycleResult, Outcome
+from ft_launcher.process.worker_env import EnvDoc
 
 if TYPE_CHECKING:
     from ft_launcher.nodes.rendezvous import RoundInfo
     from ft_launcher.ports import GroupPort, RendezvousPort
+
+# What a rendezvous that can drop a node adds to a worker's environment, as
+# docs/reference/environment.md lists it: PeerWatch.worker_env's variables, and one that
+# torch's dynamic rendezvous sets in the launcher's own environment (nodes/), which the
+# workers inherit.
+PEER_ENV = (
+    EnvDoc(("FT_STOP_FENCE_S", "FT_RDZV_ROUND"),
+           "where the rendezvous can drop a node (not with static addresses): the shortest "
+           "stop after which a thawed rank asks whether its round is still current, and the "
+           "round ([several nodes](../several-nodes.md#a-frozen-node))"),
+    EnvDoc(("TORCH_DISABLE_SHARE_RDZV_TCP_STORE",),
+           "`1` with torch's own dynamic rendezvous: the workers form their own store each "
+           "cycle rather than share the rendezvous's"),
+)
 
 
 class PeerWatch:

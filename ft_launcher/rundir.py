@@ -32,6 +32,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,62 @@ STATE_FILE = "ft_state.json"  # learned timeouts (hang/timeouts.py) and preloads
 PRIVATE_DIR = "ipc"
 RESERVED_FIELDS = ("ts", "event", "cycle")
 _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+@dataclass(frozen=True)
+class RunFile:
+    """A path the launcher makes under the run directory, with what it holds: a row of
+    docs/reference/run-directory.md (``python -m scripts.docs.render``). ``tests/test_docs.py``
+    runs real launches and fails when one leaves a path no row matches, or a row matches
+    nothing they leave."""
+
+    path: str  # relative; <n> a cycle, <r> a rank; a trailing / is a directory and all in it
+    content: str  # Markdown; a link is relative to docs/reference/
+
+
+# Every path, whichever module writes it (the module in the comment).
+FILES = (
+    RunFile(EVENTS_FILE,  # RunDir.event
+            "one JSON object per line, flushed per event: " +
+            ", ".join(f"`{f}`" for f in RESERVED_FIELDS) +
+            ", and fields; every event is in the [events reference](events.md)"),
+    RunFile(SUMMARY_FILE,  # supervisor.py
+            "at exit: `exit_code`, `reason`, `outcome` (how the last cycle ended), `cycles`, "
+            "`restarts`, `faults`, `workers` (every worker's exit code or signal), `diagnoses`, "
+            "`device_map`, `protocol_errors`, `events_dropped` (when an event could not be "
+            "written), `run_id`, `host`, `version`, and `next_action` (`requeue`, "
+            "`exclude_nodes`, `why`) for a scheduler wrapper ([exit codes](exit-codes.md))"),
+    RunFile(STATE_FILE,  # hang/timeouts.py, warm/
+            "observed intervals, calculated timeouts and learned preloads (`--ft-state-path` "
+            "to keep it elsewhere, e.g. shared between jobs)"),
+    RunFile("workers.json",  # process/workers_file.py
+            "the running cycle's live workers, `{\"cycle\": N, \"workers\": {\"<pid>\": "
+            "{\"rank\", \"local_rank\", \"cycle\", \"warm\"}}}`: rewritten when a cycle's "
+            "workers start and whenever one exits, emptied when the cycle ends. Tools that map "
+            "processes to ranks read it: a warm worker's `/proc/PID/environ` is the zygote's, "
+            "without `RANK` ([warm restart](../warm-restart.md#limits))"),
+    RunFile("logs/cycle_<n>/rank_<r>.log",  # RunDir.rank_log
+            "each worker's output per cycle (`--log-dir` moves `logs/`)"),
+    RunFile("logs/cycle_<n>/rank_<r>_error.json",  # rank_plan.py: TORCHELASTIC_ERROR_FILE
+            "a rank's uncaught exception, when its script uses torch's `@record`"),
+    RunFile("logs/standby/",  # services/job.py: the warm restart's zygote and standbys
+            "the output of the zygote and of each standby before it becomes a worker "
+            "(`zygote.log`, `local_rank_<i>.log`)"),
+    RunFile("stacks/cycle_<n>_rank_<r>.txt",  # hang/stacks.py
+            "a rank's Python stacks, dumped when a hang was judged (which ranks: "
+            "[hang detection](../hang-detection.md#which-ranks-stacks-are-dumped)) or when "
+            "the rank was stuck at its exit"),
+    RunFile("stacks/cycle_<n>_rank_<r>.nccl_trace",  # hang/nccl_trace.py
+            "NCCL's flight-recorder dump next to them, when it is on "
+            "([GPUs](../gpus.md#nccls-flight-recorder))"),
+    RunFile(f"{PRIVATE_DIR}/",  # RunDir._make_private
+            "0700: the monitor's socket, the agents' stack files, the flight recorder's dumps "
+            "and pipes before they are collected, the workers' learned-preload lists, and the "
+            "snapshots where the node has no `/dev/shm`"),
+    RunFile(LOCK_FILE,  # RunDir._take_lock
+            "held (flock) by the running launcher, with its pid: a second one on the same run "
+            "directory stops at once"),
+)
 
 
 class RunDirError(OSError):

@@ -12,6 +12,64 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
+class EnvDoc:
+    """Variables the launcher sets in a worker's environment, with what they hold: a row of
+    docs/reference/environment.md (``python -m scripts.docs.render``). Each module that sets
+    variables keeps its rows next to the code that sets them; ``tests/test_docs.py`` runs a
+    real launch and fails when a worker gets a variable no row names, or a row names one no
+    worker gets."""
+
+    names: tuple[str, ...]
+    value: str  # Markdown; a link is relative to docs/reference/
+
+
+# What worker_env sets that torchrun sets too, so scripts written for torchrun run unchanged.
+TORCHRUN_ENV = (
+    EnvDoc(("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"),
+           "the rank's place in the world and on its node (`LOCAL_RANK` is `0` with "
+           "`--virtual-local-rank`)"),
+    EnvDoc(("GROUP_RANK", "GROUP_WORLD_SIZE"), "the node's place among the nodes"),
+    EnvDoc(("ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME"),
+           "as torchrun sets them (one role, `--role`)"),
+    EnvDoc(("MASTER_ADDR", "MASTER_PORT"),
+           "the workers' process-group store; on one node with warm restart or "
+           "`--ft-agent-store`, the cycle store's port "
+           "([warm restart](../warm-restart.md#cycle-store))"),
+    EnvDoc(("TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID"),
+           "restarts so far, `--max-restarts`, the run id"),
+    EnvDoc(("TORCHELASTIC_USE_AGENT_STORE",),
+           "`True` when the store is hosted outside the ranks (the cycle store), else `False`"),
+    EnvDoc(("TORCHELASTIC_ERROR_FILE",),
+           "`RUN_DIR/logs/cycle_<n>/rank_<r>_error.json`: where torch's `@record` writes the "
+           "rank's uncaught exception"),
+    EnvDoc(("OMP_NUM_THREADS",), "`1` when unset and the node has several local ranks"),
+    EnvDoc(("PYTHONUNBUFFERED",), "`1` when unset, so logs are complete when a rank dies"),
+    EnvDoc(("CUDA_VISIBLE_DEVICES",),
+           "the node's GPUs, ordered so that `cuda:LOCAL_RANK` is the rank's device, when GPUs "
+           "exist (rotated after an exit 16); the rank's one device with "
+           "`--virtual-local-rank`"),
+)
+
+# What worker_env sets for ft_agent.
+LAUNCHER_ENV = (
+    EnvDoc(("FT_ENDPOINT", "FT_TOKEN"),
+           "the monitor's socket, and this rank's token for this cycle (a new one per rank "
+           "and cycle)"),
+    EnvDoc(("FT_RUN_DIR",), "the run directory"),
+    EnvDoc(("FT_CYCLE",), "the restart cycle, from 0"),
+    EnvDoc(("FT_DEVICE_ID",),
+           "the device this rank runs on (rotated after an exit 16; on CPU a node has as "
+           "many \"devices\" as local ranks)"),
+    EnvDoc(("FT_LOCAL_RANK",),
+           "with `--virtual-local-rank`: the real local rank (`LOCAL_RANK` is `0`)"),
+    EnvDoc(("FT_STACK_FILE",), "where the agent writes the rank's stacks when asked"),
+    EnvDoc(("FT_SIMULATED_FAULT",),
+           "the fault, for a `rank_exit` or `rank_slow` victim "
+           "([simulated faults](../simulated-faults.md))"),
+)
+
+
+@dataclass(frozen=True)
 class CycleEnv:
     """What every local rank of one cycle shares."""
 

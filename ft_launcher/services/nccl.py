@@ -8,7 +8,17 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from ft_launcher.hang import nccl_trace
+from ft_launcher.process.worker_env import EnvDoc
 from ft_launcher.services.seam import CycleService
+
+# nccl_trace.worker_env's variables, as docs/reference/environment.md lists them.
+NCCL_ENV = (
+    EnvDoc(("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", nccl_trace.PIPE_VAR, nccl_trace.DUMP_ON_TIMEOUT_VAR),
+           "set unless you set them, when `TORCH_NCCL_TRACE_BUFFER_SIZE` or "
+           "`TORCH_FR_BUFFER_SIZE` is set: where NCCL's flight recorder dumps and the pipe "
+           "that asks for a dump, in the run's private `ipc/`, and dump-on-timeout "
+           "([NCCL's flight recorder](../gpus.md#nccls-flight-recorder))"),
+)
 
 
 class NcclTraces(CycleService):

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ft_agent import snapshot as store
+from ft_launcher.process.worker_env import EnvDoc
 from ft_launcher.snapshots import reports
 from ft_launcher.snapshots.area import SHM, Area, AreaRefused, area_name, default_root
 from ft_launcher.snapshots.coordinator import Coordinator, PlanExchange, World
@@ -51,6 +52,17 @@ ENV_PLAN = "FT_SNAPSHOT_PLAN"
 NO_ITERATION = "none"
 AUTO = "auto"
 DEFAULT_OVERHEAD = 0.02
+
+# begin_cycle's variables, as docs/reference/environment.md lists them.
+SNAPSHOT_ENV = (
+    EnvDoc((ENV_DIR, ENV_EVERY, ENV_MEMORY, ENV_ITERATION, ENV_PLAN),
+           f"unless `--ft-snapshot-every off` (the default is `{AUTO}`): the rank's snapshot "
+           f"directory, the frequency (`{AUTO}`: the one the ranks agree on; `5` steps or "
+           "`30s`), its share of `--ft-snapshot-memory` in bytes, the iteration it restores "
+           f"in this cycle (`{NO_ITERATION}` when there is none), and the node's plan file "
+           f"(which copies to keep and, with `{AUTO}`, which iterations to snapshot) "
+           "([snapshots](../snapshots.md))"),
+)
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,11 @@
 
 Writes ``docs/reference/options.md`` (click's definitions in ``ft_launcher.cli`` and the
 YAML keys of ``ft_launcher.config``), ``docs/reference/events.md`` (``ft_launcher.events``)
-and ``docs/benchmarks.md`` (every committed ``scripts/bench/*.json``). The output depends on
-nothing but those inputs: no clock, no machine, no environment.
+and ``docs/benchmarks.md`` (every committed ``scripts/bench/*.json``), and the fragments of
+hand-written pages that mirror the code (``FRAGMENTS``: the dependencies and extras of
+``pyproject.toml``, the variables every worker gets, the run directory's files), each
+between a ``<!-- begin generated: NAME ... -->`` and an ``<!-- end generated: NAME -->``
+line. The output depends on nothing but those inputs: no clock, no machine, no environment.
 """
 
 from __future__ import annotations
@@ -15,8 +18,10 @@ import argparse
 import collections
 import importlib.util
 import json
+import re
 import statistics
 import sys
+import textwrap
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
@@ -713,6 +718,101 @@ def benchmarks_page() -> str:
     return text.rstrip("\n") + "\n"
 
 
+# -- pyproject.toml: dependencies and extras ------------------------------------------
+
+
+def _pyproject() -> dict[str, Any]:
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10: pytest (the test extra) depends on tomli there
+        import tomli as tomllib
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+
+# What each extra is for, in the words of a user choosing one; the packages come from
+# pyproject.toml. An extra without a line here stops the renderer.
+EXTRA_PURPOSES = {
+    "lightning": "the PyTorch Lightning callback",
+    "transformers": "the Hugging Face Trainer callback",
+    "report": "the HTML timeline",
+    "metrics": "Prometheus metrics",
+    "etcd": "the etcd-v2 rendezvous",
+    "gpu": "NVML's process list for `scripts/gpu_check.sh`",
+    "test": "what the test suite needs",
+}
+
+
+def _requirements(reqs: list[str]) -> str:
+    return ", ".join(f"`{r.replace(' ', '')}`" for r in reqs)
+
+
+def _extras() -> dict[str, list[str]]:
+    extras = _pyproject().get("optional-dependencies", {})
+    unknown = sorted(set(extras) ^ set(EXTRA_PURPOSES))
+    if unknown:
+        raise SystemExit(f"extras of pyproject.toml and EXTRA_PURPOSES in {__file__} differ: "
+                         f"{unknown}")
+    return extras
+
+
+def dependencies_fragment() -> str:
+    """README's Development bullet: every dependency, every extra, the test extra's list."""
+    project, extras = _pyproject(), _extras()
+    named = "; ".join(f"`[{name}]` ({EXTRA_PURPOSES[name]})"
+                      for name in extras if name != "test")
+    text = (f"- Dependencies: {_requirements(project['dependencies'])}. Extras: {named}; "
+            f"`[test]` adds {_requirements(extras['test'])}.")
+    return textwrap.fill(text, width=92, subsequent_indent="  ", break_long_words=False,
+                         break_on_hyphens=False)
+
+
+def extras_fragment() -> str:
+    """getting-started's list of extras, with the packages each installs."""
+    lines = ["Extras (`pip install -e '.[NAME]'`):", ""]
+    for name, reqs in _extras().items():
+        what = f"{len(reqs)} packages" if name == "test" else _requirements(reqs)
+        lines.append(f"- `[{name}]`: {EXTRA_PURPOSES[name]} ({what})")
+    return "\n".join(lines)
+
+
+# -- the workers' environment and the run directory -------------------------------------
+
+
+def worker_env_tables() -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """The documented variables of a worker: torchrun's, then the launcher's own (every
+    module that sets some keeps its rows next to its code)."""
+    from ft_launcher import peers
+    from ft_launcher.process import worker_env
+    from ft_launcher.services import nccl
+    from ft_launcher.snapshots import service
+
+    return worker_env.TORCHRUN_ENV, (*worker_env.LAUNCHER_ENV, *service.SNAPSHOT_ENV,
+                                     *peers.PEER_ENV, *nccl.NCCL_ENV)
+
+
+def _env_table(rows: tuple[Any, ...]) -> list[str]:
+    lines = ["| variable | value |", "| --- | --- |"]
+    for row in rows:
+        names = ", ".join(f"`{n}`" for n in row.names)
+        lines.append(f"| {names} | {_cell_text(row.value)} |")
+    return lines
+
+
+def worker_env_fragment() -> str:
+    torchrun, ours = worker_env_tables()
+    return "\n".join(["torchrun's environment, so scripts written for torchrun run unchanged:",
+                      "", *_env_table(torchrun), "", "And the launcher's own, read by "
+                      "`ft_agent` and the tools around it:", "", *_env_table(ours)])
+
+
+def run_directory_fragment() -> str:
+    from ft_launcher.rundir import FILES
+
+    lines = ["| path | content |", "| --- | --- |"]
+    lines += [f"| `{f.path}` | {_cell_text(f.content)} |" for f in FILES]
+    return "\n".join(lines)
+
+
 # -- the command ----------------------------------------------------------------------
 
 
@@ -722,13 +822,47 @@ PAGES: dict[str, Callable[[], str]] = {
     "docs/benchmarks.md": benchmarks_page,
 }
 
+# Fragments of hand-written pages: page → {name: (its source, in words; the renderer)}.
+FRAGMENTS: dict[str, dict[str, tuple[str, Callable[[], str]]]] = {
+    "README.md": {"dependencies": ("pyproject.toml", dependencies_fragment)},
+    "docs/getting-started.md": {"extras": ("pyproject.toml", extras_fragment)},
+    "docs/reference/environment.md": {
+        "worker-env": ("the EnvDoc rows next to the code that sets each variable",
+                       worker_env_fragment)},
+    "docs/reference/run-directory.md": {
+        "run-directory": ("FILES in ft_launcher/rundir.py", run_directory_fragment)},
+}
+
+
+def fragment_markers(name: str, source: str) -> tuple[str, str]:
+    """The lines around fragment ``name``: the page's reader sees neither."""
+    return (f"<!-- begin generated: {name} (by `{COMMAND}` from {source}; edit that, not "
+            f"this) -->", f"<!-- end generated: {name} -->")
+
+
+def with_fragments(page: str, text: str) -> str:
+    """``text`` (the page as it is) with each of its fragments rendered anew."""
+    for name, (source, func) in FRAGMENTS[page].items():
+        begin, end = fragment_markers(name, source)
+        pattern = re.compile(rf"^<!-- begin generated: {re.escape(name)} .*?^{re.escape(end)}$",
+                             re.MULTILINE | re.DOTALL)
+        if len(pattern.findall(text)) != 1:
+            raise SystemExit(f"{page}: expected one fragment {name!r} between lines\n{begin}\n"
+                             f"...\n{end}")
+        fresh = f"{begin}\n{func().rstrip()}\n{end}"
+        text = pattern.sub(lambda _, fresh=fresh: fresh, text)  # no backslash escapes
+    return text
+
 
 def render_all() -> dict[str, str]:
-    """Every generated page: path relative to the repository root → its text."""
+    """Every generated page, and every page with generated fragments: path relative to the
+    repository root → its text."""
     out = {}
     for path, func in PAGES.items():
         text = func()
         out[path] = text.rstrip("\n") + "\n"
+    for path in FRAGMENTS:
+        out[path] = with_fragments(path, (ROOT / path).read_text())
     return out
 
 
