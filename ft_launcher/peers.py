@@ -19,8 +19,8 @@ if TYPE_CHECKING:
 
 # What a rendezvous that can drop a node adds to a worker's environment, as
 # docs/reference/environment.md lists it: PeerWatch.worker_env's variables, and one that
-# torch's dynamic rendezvous sets in the launcher's own environment (nodes/), which the
-# workers inherit.
+# torch's dynamic rendezvous sets in the launcher's own environment
+# (nodes/torch_rendezvous.py), which the workers inherit.
 PEER_ENV = (
     EnvDoc(("FT_STOP_FENCE_S", "FT_RDZV_ROUND"),
            "where the rendezvous can drop a node (not with static addresses): the shortest "

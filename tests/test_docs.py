@@ -152,12 +152,15 @@ def test_every_variable_a_worker_gets_is_documented_and_every_documented_one_is_
 
 
 @pytest.mark.slow
-def test_with_a_dynamic_rendezvous_every_documented_variable_is_set(tmp_path):
-    """The rendezvous that can drop a node adds its own (PEER_ENV)."""
+@pytest.mark.parametrize("backend", ["c10d", "torch-c10d"])
+def test_with_a_dynamic_rendezvous_every_documented_variable_is_set(tmp_path, backend):
+    """The rendezvous that can drop a node adds its own (PEER_ENV); torch's, one more."""
     documented = _documented_env()
+    if backend == "c10d":
+        documented -= {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
     env = _launcher_env(documented, TORCH_NCCL_TRACE_BUFFER_SIZE="1")
     port = _free_port()
-    _, envs = _probe(tmp_path, (*STATIC_LAUNCHES[0][0], "--rdzv-backend", "c10d",
+    _, envs = _probe(tmp_path, (*STATIC_LAUNCHES[0][0], "--rdzv-backend", backend,
                                 "--rdzv-endpoint", f"127.0.0.1:{port}", "--nnodes", "1"),
                      (), env)
     got = {k for e in envs for k in e} - set(env)
@@ -342,10 +345,15 @@ def _exit_codes() -> tuple[int, ...]:
             policy.EXIT_FAILED_VALIDATION, policy.EXIT_NO_PROGRESS)
 
 
-def _no_cross_node_verdict() -> tuple[()]:
-    # Until a hang verdict reaches the other nodes (and they dump their ranks), the scope of
-    # the dumped stacks is the judging node's: this fails when that event exists.
-    assert "peer_verdict" not in EVENTS, "a verdict now crosses nodes: update the sentence"
+def _verdict_crosses_nodes() -> tuple[()]:
+    # The scope "on every node" holds while the other nodes answer a verdict (peer_verdict)
+    # with their own ranks' stacks, and torch's backends share none.
+    from ft_launcher.nodes.rendezvous import StaticRendezvous
+    from ft_launcher.nodes.torch_rendezvous import DynamicRendezvous
+
+    assert "peer_verdict" in EVENTS
+    assert StaticRendezvous(0, 1, "127.0.0.1", None).verdict_channel(None) is None
+    assert DynamicRendezvous.verdict_channel(None, None) is None
     return ()
 
 
@@ -371,12 +379,13 @@ CLAIMS = (
                                          "test_malformed_and_unauthenticated_messages_change_"
                                          "nothing")),
     # Which ranks' stacks a hang dumps: said here only; the other pages link to it.
-    Claim("docs/hang-detection.md", "On one node, the stacks of every rank still running; on "
-          "several nodes, the stacks of the ranks on the node that judged the hang (the other "
-          "nodes dump none).",
-          figures=_no_cross_node_verdict,
+    Claim("docs/hang-detection.md", "The stacks of every rank still running, on every node: "
+          "with several nodes (`--rdzv-backend c10d` or `etcd`) each node dumps its own ranks' "
+          "stacks when the verdict reaches it (`peer_verdict`)",
+          figures=_verdict_crosses_nodes,
           tests=("tests/test_docs.py::test_a_hang_on_one_node_dumps_the_stacks_of_every_rank",
-                 HANG_E2E)),
+                 HANG_E2E, "tests/multinode/test_hang_nodes.py::"
+                 "test_a_stopped_rank_alone_is_named_and_every_ranks_stacks_are_written")),
     # What the demo resumes from, with the defaults.
     Claim("README.md", "training resumes from the newest snapshot every rank holds in memory "
           "(the default, rather than its last checkpoint on disk)", tests=DEMO_RESUMES),

@@ -3,7 +3,6 @@ the timings, the place of the store, this node's address, the node side."""
 
 from __future__ import annotations
 
-import os
 import socket
 from collections.abc import Callable
 from typing import Any
@@ -23,8 +22,6 @@ def open_rendezvous(cfg: LaunchConfig, events: Callable[..., Any]) -> RoundRende
     RendezvousError when the store cannot be reached."""
     if not cfg.rdzv_endpoint:
         raise ConfigError(f"--rdzv-endpoint: required with --rdzv-backend {cfg.rdzv_backend}")
-    # The workers form their own store per cycle; torch's agent store is not wanted.
-    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     timings, extra = RendezvousTimings.from_conf(cfg.rdzv_conf)
     host = socket.gethostname()
     me = node_id(host)
