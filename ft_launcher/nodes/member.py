@@ -152,11 +152,12 @@ class RoundRendezvous:
         self.open_next(REJOIN)
         return g + 1
 
-    def open_next(self, why: str, lost: tuple[LostNode, ...] = (),
-                  verdict: dict[str, Any] | None = None) -> Notice:
+    def open_next(self, why: str, lost: tuple[LostNode, ...] = ()) -> Notice:
         """Open the round after this node's (first writer wins); the notice that stands."""
-        g = (self.round or 0) + 1
-        notice = Notice(g, why, self.me.node, lost, verdict)
+        return self._open((self.round or 0) + 1, why, lost)
+
+    def _open(self, g: int, why: str, lost: tuple[LostNode, ...] = ()) -> Notice:
+        notice = Notice(g, why, self.me.node, lost)
         held = self.kv.create(Keys.open(g), notice.encode())
         try:
             return Notice.decode(held)
@@ -174,15 +175,15 @@ class RoundRendezvous:
             if membership is None:
                 self._take_ticket(g)
                 membership = self._await_members(g, deadline, spare_since)
-            if membership.abandoned:
+            if membership.abandoned:  # the next round is open (unless the record was junk)
                 g += 1
+                self._open(g, REJOIN)
                 continue
             if membership.rank_of(self.me.node) is not None:
                 return membership, g, spare_since
             if len(membership.nodes) < self.max_nodes and not membership.is_spare(self.me.node):
-                self.round = g  # arrived while it runs with room: everyone restarts once
-                self.open_next(WAITING)
-                g += 1
+                g += 1  # arrived while it runs with room: everyone restarts once
+                self._open(g, WAITING)
                 continue
             if spare_since is None:
                 spare_since = time.monotonic()
