@@ -26,6 +26,7 @@ from ft_launcher.nodes.records import (
     LEFT,
     REJOIN,
     STORE_LOST,
+    TAKEOVER,
     WAITING,
     Keys,
     LostNode,
@@ -80,12 +81,21 @@ class RoundRendezvous:
         self.local_addr, self.host = local_addr, host
         self.events = events
         self.me = NodeInfo(me or node_id(host), local_addr, host)
-        self.kv = place.main  # the main thread's client of the round's store
-        self.pulse = place.pulse(self.me.node)
+        place.start_pulse(self.me.node)
         self.round: int | None = None  # the round this node is in (or last was)
+        self._epoch = place.epoch  # the coordinator of that round (etcd elects new ones)
         self.membership: Membership | None = None
         self._was_dropped = False
         self._services_store: Any = None
+
+    @property
+    def kv(self) -> Any:
+        """The main thread's client of the round's store (the coordinator's)."""
+        return self.place.main
+
+    @property
+    def pulse(self) -> Any:
+        return self.place.pulse
 
     # -- the port's facts ----------------------------------------------------------------
 
@@ -128,23 +138,26 @@ class RoundRendezvous:
     def next_round(self) -> RoundInfo:
         """Join the next round (blocks): a node that finds the round full waits as a hot
         spare (``spare_waiting``) until a node is lost (``spare_admitted``)."""
-        self.pulse.watch(None)
         previous = self.membership
-        try:
-            g = self._first_round() if self.round is None else self._leave_round(self.round)
-            membership, g, spare_since = self._join_from(g)
-            rnd = self._start_round(membership, g)
-        except StoreUnreachable as exc:
-            raise self._lost(exc) from None
+        while True:
+            try:
+                self.place.refresh()
+                self.pulse.watch(None)
+                fresh = self.round is None or self._epoch != self.place.epoch
+                g = self.place.latest_round() if fresh else self._leave_round(self.round)
+                membership, g, spare_since = self._join_from(g)
+                rnd = self._start_round(membership, g)
+                break
+            except StoreUnreachable as exc:
+                if not self.place.coordinator_replaceable:
+                    raise self._lost(exc) from None
+                self.place.reconnect(exc)  # RendezvousLost when the job's store is gone
         rnd.left = gone(previous, membership)
         if spare_since is not None:
             rnd.spare_wait_s = round(time.monotonic() - spare_since, 3)
             self._emit("spare_admitted", waited_s=rnd.spare_wait_s, round=g,
                        group_rank=rnd.group_rank, group_world_size=rnd.group_world_size)
         return rnd
-
-    def _first_round(self) -> int:
-        return self.place.latest_round()
 
     def _leave_round(self, g: int) -> int:
         """This node leaves round ``g`` to re-join: the next round opens (unless someone
@@ -194,7 +207,10 @@ class RoundRendezvous:
             g += 1
 
     def _check_closed(self, spare_since: float | None) -> None:
-        if self.place.closed():
+        end = self.place.end()
+        if end == STORE_LOST:
+            raise self._lost(StoreUnreachable("the coordinator lost the job's store"))
+        if end is not None:
             why = ("; this node was dropped from its round and not needed again"
                    if self._was_dropped else "; this spare was not needed"
                    if spare_since is not None else "")
@@ -246,6 +262,7 @@ class RoundRendezvous:
 
     def _start_round(self, membership: Membership, g: int) -> RoundInfo:
         self.round, self.membership, self._was_dropped = g, membership, False
+        self._epoch = self.place.epoch
         self.pulse.watch(g)
         rank = membership.rank_of(self.me.node)
         assert rank is not None
@@ -269,12 +286,14 @@ class RoundRendezvous:
         has not answered for the grace."""
         state = self.pulse.state()
         if state.unreachable_s is not None and state.unreachable_s >= self.place.lost_grace_s:
-            if self.place.coordinator_replaceable:
-                return RoundView(waiting=1, why="the coordinator is gone")
+            if self.place.coordinator_replaceable:  # a new one is elected when it re-joins
+                return RoundView(waiting=1, why=TAKEOVER)
             raise self._lost(StoreUnreachable(f"no answer for {state.unreachable_s:.1f} s"))
         notice = state.notice
         if notice is None:
             return RoundView()
+        if notice.why == STORE_LOST:
+            raise self._lost(StoreUnreachable("the coordinator lost the job's store"))
         return view_of(notice, self.me.node, self.round or 0)
 
     def standing(self, stalled_s: float) -> Standing:
@@ -350,15 +369,12 @@ class RoundRendezvous:
                 self.open_next(LEFT, (LostNode(self.me.node, self.me.host, 0.0),))
         except (StoreUnreachable, RendezvousError) as exc:  # best effort at exit
             log.debug("rendezvous shutdown: %s", exc)
-        self.pulse.stop()
         self.place.close()
 
 
 def view_of(notice: Notice, node: str, g: int) -> RoundView:
     """What the next round's ``notice`` means for ``node`` of round ``g``."""
     lost = tuple(n.node for n in notice.lost if n.node != node)
-    if notice.why == STORE_LOST:
-        return RoundView(why=STORE_LOST)
     me = notice.dropped(node)
     dropped = out_reason(notice, node, g, 0.0, math.inf, 0.0) if me else None
     return RoundView(waiting=0 if notice.lost else 1, lost=lost, dropped=dropped,
