@@ -91,6 +91,8 @@ class EtcdPlace:
     def __init__(self, endpoint: str, run_id: str, timings: RendezvousTimings,
                  min_nodes: int, max_nodes: int, extra: dict[str, str], me: str,
                  local_addr: str = "127.0.0.1") -> None:
+        import torch.distributed  # noqa: F401 - seconds to import: not while a lease runs
+
         from ft_launcher.nodes.kv_etcd import EtcdKV
 
         self.endpoint, self.timings, self.me = endpoint, timings, me
@@ -131,8 +133,8 @@ class EtcdPlace:
             held = self.etcd.get(COORDINATOR_KEY)
             if held is None:
                 mine = json.dumps({"node": self.me, "addr": None, "port": None}).encode()
-                if self.etcd.campaign(COORDINATOR_KEY, mine, self.timings.dead_after) == mine:
-                    self._coordinate()
+                won = self.etcd.campaign(COORDINATOR_KEY, mine, self.timings.dead_after) == mine
+                if won and self._coordinate():
                     return
                 continue
             place = parse_coordinator(held)
@@ -166,9 +168,10 @@ class EtcdPlace:
         raw = connect(addr, port, self.timings.dead_after)
         return dist.PrefixStore("ft_launcher", raw)
 
-    def _coordinate(self) -> None:
+    def _coordinate(self) -> bool:
         """This launcher won the election: host the round store, publish it, coordinate
-        from the round after the last one any coordinator opened."""
+        from the round after the last one any coordinator opened. False when the lease
+        lapsed before it was published (the election runs again)."""
         self.server = host_store(self.local_addr, 0, self.timings.dead_after)
         if self.server is None:
             self.etcd.resign()
@@ -176,8 +179,10 @@ class EtcdPlace:
         raise_file_limit()
         port = self.server.port
         record = json.dumps({"node": self.me, "addr": self.local_addr, "port": port}).encode()
-        if not self.etcd.set_held(COORDINATOR_KEY, record):
-            raise StoreUnreachable("lost the coordinator's lease while publishing it")
+        if not (self.etcd.refresh() and self.etcd.set_held(COORDINATOR_KEY, record)):
+            log.warning("rendezvous: the coordinator's lease lapsed before it was published")
+            self.server = None
+            return False
         self._open_clients(self.local_addr, port)
         last = self.etcd.get(ROUND_KEY)
         first = 0 if last is None else _int(last) + 1
@@ -190,9 +195,10 @@ class EtcdPlace:
             lambda g: self._on_round(kv, g))
         log.info("rendezvous: this launcher coordinates the job (round store %s:%d, from "
                  "round %d)", self.local_addr, port, first)
-        self._lease_thread = threading.Thread(target=self._keep_lease, args=(kv, first),
+        self._lease_thread = threading.Thread(target=self._keep_lease, args=(kv,),
                                               name="ft-rdzv-lease", daemon=True)
         self._lease_thread.start()
+        return True
 
     def _on_round(self, kv: C10dKV, g: int) -> None:
         kv.set(ROUND_KEY, str(g).encode())
@@ -201,7 +207,7 @@ class EtcdPlace:
         except StoreUnreachable as exc:  # the lease thread decides whether etcd is gone
             log.warning("rendezvous: cannot record round %d in etcd: %s", g, exc)
 
-    def _keep_lease(self, kv: C10dKV, first: int) -> None:
+    def _keep_lease(self, kv: C10dKV) -> None:
         """Refresh the coordinator's lease every interval. Lost (this launcher was stopped
         past it): step down, and the round's nodes re-join under the next coordinator.
         etcd silent for the keep-alive expiry: the job's store is lost for every node."""

@@ -86,7 +86,7 @@ class RoundRendezvous:
         self._epoch = place.epoch  # the coordinator of that round (etcd elects new ones)
         self.membership: Membership | None = None
         self._was_dropped = False
-        self._services_store: Any = None
+        self._spare_since: float | None = None  # next_round(): waiting as a spare since
 
     @property
     def kv(self) -> Any:
@@ -138,14 +138,14 @@ class RoundRendezvous:
     def next_round(self) -> RoundInfo:
         """Join the next round (blocks): a node that finds the round full waits as a hot
         spare (``spare_waiting``) until a node is lost (``spare_admitted``)."""
-        previous = self.membership
+        previous, self._spare_since = self.membership, None
         while True:
             try:
                 self.place.refresh()
                 self.pulse.watch(None)
                 fresh = self.round is None or self._epoch != self.place.epoch
                 g = self.place.latest_round() if fresh else self._leave_round(self.round)
-                membership, g, spare_since = self._join_from(g)
+                membership, g = self._join_from(g)
                 rnd = self._start_round(membership, g)
                 break
             except StoreUnreachable as exc:
@@ -153,8 +153,8 @@ class RoundRendezvous:
                     raise self._lost(exc) from None
                 self.place.reconnect(exc)  # RendezvousLost when the job's store is gone
         rnd.left = gone(previous, membership)
-        if spare_since is not None:
-            rnd.spare_wait_s = round(time.monotonic() - spare_since, 3)
+        if self._spare_since is not None:
+            rnd.spare_wait_s = round(time.monotonic() - self._spare_since, 3)
             self._emit("spare_admitted", waited_s=rnd.spare_wait_s, round=g,
                        group_rank=rnd.group_rank, group_world_size=rnd.group_world_size)
         return rnd
@@ -177,46 +177,45 @@ class RoundRendezvous:
         except RecordError:
             return notice
 
-    def _join_from(self, g: int) -> tuple[Membership, int, float | None]:
-        """Rounds from ``g`` on until one has this node: (its membership, its number, when
-        this node began waiting as a spare)."""
+    def _join_from(self, g: int) -> tuple[Membership, int]:
+        """Rounds from ``g`` on until one has this node: (its membership, its number).
+        ``_spare_since`` says when this node began waiting as a spare."""
         deadline = time.monotonic() + self.timings.join_timeout
-        spare_since: float | None = None
         while True:
-            self._check_closed(spare_since)
+            self._check_closed()
             membership = self._read_members(g)
             if membership is None:
                 self._take_ticket(g)
-                membership = self._await_members(g, deadline, spare_since)
+                membership = self._await_members(g, deadline)
             if membership.abandoned:  # the next round is open (unless the record was junk)
                 g += 1
                 self._open(g, REJOIN)
                 continue
             if membership.rank_of(self.me.node) is not None:
-                return membership, g, spare_since
+                return membership, g
             if len(membership.nodes) < self.max_nodes and not membership.is_spare(self.me.node):
                 g += 1  # arrived while it runs with room: everyone restarts once
                 self._open(g, WAITING)
                 continue
-            if spare_since is None:
-                spare_since = time.monotonic()
+            if self._spare_since is None:
+                self._spare_since = time.monotonic()
                 self._emit("spare_waiting", round=g, participants=len(membership.nodes),
                            max_nodes=self.max_nodes)
-            self._await_key(Keys.open(g + 1), None, spare_since)
+            self._await_key(Keys.open(g + 1), None)
             deadline = time.monotonic() + self.timings.join_timeout
             g += 1
 
-    def _check_closed(self, spare_since: float | None) -> None:
+    def _check_closed(self) -> None:
         end = self.place.end()
         if end == STORE_LOST:
             raise self._lost(StoreUnreachable("the coordinator lost the job's store"))
         if end is not None:
             why = ("; this node was dropped from its round and not needed again"
                    if self._was_dropped else "; this spare was not needed"
-                   if spare_since is not None else "")
+                   if self._spare_since is not None else "")
             raise RendezvousClosed(f"the rendezvous at {self.place.endpoint} was closed by "
                                    f"the other nodes (the job is over){why}",
-                                   was_spare=spare_since is not None or self._was_dropped)
+                                   was_spare=self._spare_since is not None or self._was_dropped)
 
     def _read_members(self, g: int) -> Membership | None:
         data = self.kv.get(Keys.members(g))
@@ -233,11 +232,11 @@ class RoundRendezvous:
         ticket = self.kv.add(Keys.join_count(g), 1)
         self.kv.set(Keys.join(g, ticket), self.me.encode())
 
-    def _await_members(self, g: int, deadline: float, spare_since: float | None) -> Membership:
-        data = self._await_key(Keys.members(g), deadline, spare_since)
+    def _await_members(self, g: int, deadline: float) -> Membership:
+        data = self._await_key(Keys.members(g), deadline)
         return self._decode_members(g, data)
 
-    def _await_key(self, key: str, deadline: float | None, spare_since: float | None) -> bytes:
+    def _await_key(self, key: str, deadline: float | None) -> bytes:
         """Wait for ``key`` in slices (a signal's handler runs between them; the job may
         close meanwhile); RendezvousError at ``deadline``."""
         while True:
@@ -252,13 +251,16 @@ class RoundRendezvous:
             data = self.kv.wait(key, slice_s)
             if data is not None:
                 return data
-            self._check_closed(spare_since)
+            self._check_closed()
             self._check_pulse()
 
     def _check_pulse(self) -> None:
+        """The keep-alive has failed for the grace: the store is lost (c10d), or its
+        coordinator is (etcd: ``next_round`` finds the next one)."""
         state = self.pulse.state()
         if state.unreachable_s is not None and state.unreachable_s >= self.place.lost_grace_s:
-            raise self._lost(StoreUnreachable("the keep-alive gets no answer"))
+            raise StoreUnreachable(f"the keep-alive gets no answer for "
+                                   f"{state.unreachable_s:.1f} s")
 
     def _start_round(self, membership: Membership, g: int) -> RoundInfo:
         self.round, self.membership, self._was_dropped = g, membership, False

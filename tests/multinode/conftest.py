@@ -30,6 +30,7 @@ import pytest
 from launch_helpers import TORCH_PRELOAD, wait_for
 from store_fixtures import (  # noqa: F401 - re-exported: this folder's tests import them here
     EtcdCluster,
+    etcd3_cluster,
     etcd_cluster,
     free_ports,
     require_etcd,
