@@ -18,7 +18,7 @@ from launch_helpers import wait_for
 
 from ft_launcher.nodes.kv import C10dKV
 from ft_launcher.nodes.member import RoundRendezvous, node_id
-from ft_launcher.nodes.place import C10dPlace
+from ft_launcher.nodes.place import C10dPlace, serve_store
 from ft_launcher.nodes.records import HANG, LOST, REJOIN, WAITING, Keys
 from ft_launcher.nodes.rendezvous import (
     RendezvousClosed,
@@ -35,8 +35,9 @@ class Job:
     """Nodes of one job in this process; the first one made hosts the store."""
 
     def __init__(self, min_nodes: int, max_nodes: int, timings: RendezvousTimings = FAST,
-                 port: int | None = None) -> None:
+                 port: int | None = None, conf: dict[str, str] | None = None) -> None:
         self.port = port or free_port()
+        self.conf = conf or {}
         self.min, self.max, self.timings = min_nodes, max_nodes, timings
         self.nodes: list[RoundRendezvous] = []
         self.events: list[tuple[int, str, dict]] = []
@@ -45,7 +46,7 @@ class Job:
         i = len(self.nodes)
         me = node_id(f"n{i}")
         place = C10dPlace(f"127.0.0.1:{self.port}", "job", self.timings, self.min, self.max,
-                          {}, me)
+                          dict(self.conf), me)
         rdzv = RoundRendezvous(place, "job", self.min, self.max, self.timings, None,
                                "127.0.0.1", f"n{i}",
                                lambda name, **f: self.events.append((i, name, f)), me=me)
@@ -227,6 +228,28 @@ def test_the_strongest_evidence_names_the_culprit_and_the_others_answer(job_fact
     assert a.await_answers(timeout_s=5) == 1
 
 
+def test_a_store_hosted_outside_the_launchers_coordinates_the_rounds(job_factory):
+    port = free_port()
+    server, coordinator = serve_store(port, "job", 2, 2, FAST)  # as rdzv_store.py does
+    try:
+        job = job_factory(2, 2, port=port, conf={"is_host": "false"})
+        nodes = [job.node() for _ in range(3)]
+        assert all(n.place.server is None and n.place.coordinator is None for n in nodes)
+        box = {}
+        infos = job.join(nodes[:2])
+        spare = threading.Thread(target=lambda: box.setdefault("info", nodes[2].next_round()))
+        spare.start()
+        wait_for(lambda: any(e[1] == "spare_waiting" for e in job.events), 10, "a spare")
+        nodes[0].shutdown(close=False)  # a launcher leaves: the store stays
+        again = job.join(nodes[1:2])
+        spare.join(10)
+        assert [i.group_world_size for i in infos + again] == [2, 2, 2]
+        assert box["info"].round == again[0].round > infos[0].round
+    finally:
+        coordinator.stop()
+        del server
+
+
 def test_a_lost_store_ends_every_node_promptly(tmp_path, job_factory):
     port = free_port()
     host = subprocess.Popen([sys.executable, "-c", HOST_SCRIPT, str(port)],
@@ -259,7 +282,7 @@ HOST_SCRIPT = f"""
 import sys, time
 sys.path.insert(0, {str(os.getcwd())!r})
 from ft_launcher.nodes.member import RoundRendezvous, node_id
-from ft_launcher.nodes.place import C10dPlace
+from ft_launcher.nodes.place import C10dPlace, serve_store
 from ft_launcher.nodes.rendezvous import RendezvousTimings
 t = RendezvousTimings(keep_alive_interval=0.1, keep_alive_max_attempt=4,
                       last_call_timeout=0.3, poll_interval=0.05)

@@ -189,3 +189,25 @@ def _seconds(s: float) -> Any:
     from datetime import timedelta
 
     return timedelta(seconds=s)
+
+
+def serve_store(port: int, run_id: str, min_nodes: int, max_nodes: int,
+                timings: RendezvousTimings | None = None) -> tuple[Any, CoordinatorLoop]:
+    """Host the job's c10d store on ``port`` outside any launcher (every launcher then
+    connects with ``is_host=false``), and coordinate its rounds from here: the store and
+    the coordinator live as long as this process, whichever launcher leaves. Raises
+    RendezvousError when the port is taken. Keep the returned objects alive."""
+    import torch.distributed as dist
+
+    timings = timings or RendezvousTimings()
+    server = host_store("0.0.0.0", port, timings.dead_after)
+    if server is None:
+        raise RendezvousError(f"cannot host the store on port {port}: it is taken")
+    raise_file_limit()
+    client = connect("127.0.0.1", port, timings.read_timeout or 60.0)
+    kv = C10dKV(dist.PrefixStore(f"ft_launcher/{run_id}", client))
+    first = C10dPlace._latest(kv)
+    loop = coordinator_for(timings, min_nodes, max_nodes, kv, first, START,
+                           f"coordinator-store-{port}",
+                           lambda g: kv.set(ROUND_KEY, str(g).encode()))
+    return server, loop
