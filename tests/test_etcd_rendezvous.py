@@ -135,6 +135,7 @@ def test_the_whole_cluster_gone_ends_every_node_with_rendezvous_lost(etcd3_clust
 
         wait_for(poll, 30, "every node to find the store lost")
         # The coordinator gives etcd the keep-alive expiry, then tells every node at once.
+        print(f"\nthe whole cluster gone -> every node lost: {max(lost.values()):.2f} s")
         assert max(lost.values()) < TIMINGS.dead_after + 5, lost
     finally:
         close_all(nodes)

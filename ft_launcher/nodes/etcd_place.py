@@ -217,8 +217,12 @@ class EtcdPlace:
         etcd silent for the keep-alive expiry: the job's store is lost for every node."""
         ok_at = time.monotonic()
         while not self._stop.wait(self.timings.keep_alive_interval):
+            # Within the expiry: past it etcd has let the lease go, and the nodes must hear
+            # that the job's store is lost within the keep-alive bound, not a request
+            # timeout later.
+            left_s = max(self.timings.keep_alive_interval, ok_at + self.timings.dead_after - time.monotonic())
             try:
-                if self.etcd.refresh():
+                if self.etcd.refresh(left_s):
                     ok_at = time.monotonic()
                     continue
                 self._step_down(kv, TAKEOVER, "its lease lapsed")

@@ -287,14 +287,15 @@ class EtcdKV:
             self._drop_lease(lease)
         return kv.value
 
-    def refresh(self) -> bool:
-        """Keep our lease alive (one keep-alive request): False when it is gone (expired or
-        revoked: the keys it held are gone) or when we hold none."""
+    def refresh(self, timeout_s: float | None = None) -> bool:
+        """Keep our lease alive (one keep-alive request, within ``timeout_s`` when given,
+        else the request timeout): False when it is gone (expired or revoked: the keys it
+        held are gone) or when we hold none."""
         with self._lock:
             lease = self._lease
         if lease is None:
             return False
-        ttl = self._request("lease/keepalive", {"ID": str(lease)}, _keepalive_ttl)
+        ttl = self._request("lease/keepalive", {"ID": str(lease)}, _keepalive_ttl, timeout_s)
         if ttl > 0:
             return True
         with self._lock:
@@ -395,11 +396,14 @@ class EtcdKV:
         return client
 
     def _request(self, path: str, payload: dict[str, Any],
-                 parse: Callable[[dict[str, Any]], T] = _as_is) -> T:  # type: ignore[assignment]
+                 parse: Callable[[dict[str, Any]], T] = _as_is,  # type: ignore[assignment]
+                 timeout_s: float | None = None) -> T:
         """POST ``payload`` to the members in turn until one answers and ``parse`` accepts
-        the answer, within the request timeout; StoreUnreachable when none did."""
+        the answer, within ``timeout_s`` (the request timeout by default); StoreUnreachable
+        when none did."""
         conn = self._conn()
-        deadline = time.monotonic() + self.request_timeout_s
+        started = time.monotonic()
+        deadline = started + (self.request_timeout_s if timeout_s is None else timeout_s)
         failures: dict[int, str] = {}
         while True:
             for i in conn.order():
@@ -417,7 +421,7 @@ class EtcdKV:
                 return answer
             left = deadline - time.monotonic()
             if left <= 0:
-                raise self._unreachable(path, failures)
+                raise self._unreachable(path, failures, deadline - started)
             time.sleep(min(PAUSE_S, left))
 
     def _post(self, client: Any, path: str, payload: dict[str, Any],
@@ -443,11 +447,12 @@ class EtcdKV:
             return _json_object(data, path)
         raise _error_answer(path, resp.status_code, data)
 
-    def _unreachable(self, path: str, failures: dict[int, str]) -> StoreUnreachable:
+    def _unreachable(self, path: str, failures: dict[int, str],
+                     within_s: float | None = None) -> StoreUnreachable:
         said = "; ".join(f"{h}:{p}: {failures.get(i, 'not tried')}"
                          for i, (h, p) in enumerate(self.members))
         return StoreUnreachable(f"no etcd member answered {path} within "
-                                f"{self.request_timeout_s:g} s ({said})")
+                                f"{within_s or self.request_timeout_s:.3g} s ({said})")
 
     # -- watch -------------------------------------------------------------------------
 

@@ -51,7 +51,9 @@ def test_a_stopped_rank_alone_is_named_and_every_ranks_stacks_are_written(
     assert [(p["rank"], p["blame"]) for p in peer] == [(victim, "stopped")], peer
     assert nodes.events(other, "hang_detected") == []  # it named nobody of its own
     assert nodes.events(other, "rank_killed") == []
-    killed = nodes.events(victim_node, "rank_killed")
+    # The culprit's node kills once the answers are in: the peer's answer may come first.
+    killed = wait_until(lambda: nodes.events(victim_node, "rank_killed"), 60,
+                        f"{victim_node} to kill rank {victim}")
     assert [k["rank"] for k in killed] == [victim] and killed[0]["peers_answered"] == 1
     # Each node dumped its own two ranks: the stacks of the whole world of cycle 0.
     assert _stacks(nodes, victim_node) | _stacks(nodes, other) == {0, 1, 2, 3}
