@@ -24,12 +24,13 @@ import numpy as np
 import pytest
 import torch
 from launch_helpers import EXAMPLES, ROOT
+from torch_support import skip_below_torch_2_6
 
 from ft_agent.client import RankMonitorClient
 from ft_agent.snapshot_client import SnapshotAgent, settings_from_env
 from ft_agent.stateful import RNGState, StatefulList, restore_stateful, snapshot_stateful
 
-transformers = pytest.importorskip("transformers")
+skip_below_torch_2_6("transformers")
 from transformers import TrainerCallback  # noqa: E402
 
 from ft_agent.transformers import FaultToleranceCallback  # noqa: E402

@@ -169,30 +169,34 @@ class EtcdPlace:
         return dist.PrefixStore("ft_launcher", raw)
 
     def _coordinate(self) -> bool:
-        """This launcher won the election: host the round store, publish it, coordinate
-        from the round after the last one any coordinator opened. False when the lease
-        lapsed before it was published (the election runs again)."""
+        """This launcher won the election: host the round store, open the round after the
+        last one any coordinator opened, then publish where the store is (a launcher that
+        finds it finds that round open). False when the lease lapsed before it was
+        published (the election runs again)."""
         self.server = host_store(self.local_addr, 0, self.timings.dead_after)
         if self.server is None:
             self.etcd.resign()
             raise RendezvousError("cannot host the round store on this node")
         raise_file_limit()
         port = self.server.port
-        record = json.dumps({"node": self.me, "addr": self.local_addr, "port": port}).encode()
-        if not (self.etcd.refresh() and self.etcd.set_held(COORDINATOR_KEY, record)):
-            log.warning("rendezvous: the coordinator's lease lapsed before it was published")
-            self.server = None
-            return False
-        self._open_clients(self.local_addr, port)
+        self._store_addr = (self.local_addr, port)
         last = self.etcd.get(ROUND_KEY)
         first = 0 if last is None else _int(last) + 1
         kv = C10dKV(self._client())
         if self.etcd.get(END_KEY) is not None:
             kv.set(END_KEY, CLOSED.encode())
-        self.coordinator = coordinator_for(
+        coordinator = coordinator_for(
             self.timings, self.min_nodes, self.max_nodes, kv, first,
             START if last is None else TAKEOVER, f"coordinator-{self.me}",
             lambda g: self._on_round(kv, g))
+        record = json.dumps({"node": self.me, "addr": self.local_addr, "port": port}).encode()
+        if not (self.etcd.refresh() and self.etcd.set_held(COORDINATOR_KEY, record)):
+            log.warning("rendezvous: the coordinator's lease lapsed before it was published")
+            coordinator.stop()
+            self.server = None
+            return False
+        self.coordinator = coordinator
+        self._open_clients(self.local_addr, port)
         log.info("rendezvous: this launcher coordinates the job (round store %s:%d, from "
                  "round %d)", self.local_addr, port, first)
         self._lease_thread = threading.Thread(target=self._keep_lease, args=(kv,),

@@ -136,15 +136,23 @@ def local_addresses() -> set[str]:
     return names
 
 
+def _store_timeout(seconds: float) -> timedelta:
+    """A TCPStore's constructor timeout: at least 1 s, as torch 2.4 connects within the
+    timeout's whole seconds (under 1 s: none, so a host cannot even reach its own store)."""
+    return timedelta(seconds=max(seconds, 1.0))
+
+
 def connect(host: str, port: int, timeout_s: float) -> Any:
     """A ``TCPStore`` client of the store at ``host:port``; raises StoreUnreachable."""
     import torch.distributed as dist
 
     try:
-        return dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
-                             timeout=timedelta(seconds=timeout_s))
+        store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                              timeout=_store_timeout(timeout_s))
     except _unreachable_errors() as exc:
         raise StoreUnreachable(f"{type(exc).__name__}: {str(exc).splitlines()[0]}") from None
+    store.set_timeout(timedelta(seconds=timeout_s))  # requests: the timeout asked for
+    return store
 
 
 def host_store(addr: str, port: int, timeout_s: float) -> Any | None:
@@ -154,7 +162,7 @@ def host_store(addr: str, port: int, timeout_s: float) -> Any | None:
 
     try:
         return dist.TCPStore(addr, port, is_master=True, wait_for_workers=False,
-                             timeout=timedelta(seconds=timeout_s))
+                             timeout=_store_timeout(timeout_s))
     except (dist.DistNetworkError, RuntimeError, OSError) as exc:
         log.debug("rendezvous: not hosting the store on port %d: %s", port, exc)
         return None

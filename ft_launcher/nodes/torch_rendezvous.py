@@ -208,6 +208,8 @@ def out_of_round(state: Any, node: Any, round_no: int | None, dead_after: float,
                 f"{dead_after:g} s)")
     last = state.last_heartbeats.get(node)
     if margin_s > 0 and last is not None:
+        if last.tzinfo is None:  # torch 2.4 keeps naive UTC times (utcnow), later ones aware
+            last = last.replace(tzinfo=timezone.utc)
         age = ((now or datetime.now(timezone.utc)) - last).total_seconds()
         if age > dead_after - margin_s:
             return (f"its last keep-alive is {age:.1f} s old: the others drop it at "

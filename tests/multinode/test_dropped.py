@@ -42,6 +42,13 @@ def test_after_a_stall_a_keep_alive_close_to_the_expiry_counts_as_out():
     assert out_of_round(_state(ages={"b": 1.4}), "b", 3, 2.0, margin_s=0.5, now=NOW) is None
 
 
+def test_a_naive_keep_alive_time_is_read_as_utc():
+    # torch 2.4 records keep-alives with datetime.utcnow() (naive), later releases aware ones
+    old = _state(ages={"b": 1.6})
+    old.last_heartbeats = {m: t.replace(tzinfo=None) for m, t in old.last_heartbeats.items()}
+    assert "1.6 s old" in out_of_round(old, "b", 3, 2.0, margin_s=0.5, now=NOW)
+
+
 @pytest.mark.timeout(120)
 def test_a_node_that_stops_keeping_alive_is_seen_lost_and_finds_itself_out():
     port = free_ports(1)[0]

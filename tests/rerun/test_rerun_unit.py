@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from rerun_test_support import clean_rerun_globals  # noqa: F401
+from torch_support import skip_below_torch_2_6
 
 import rerun
 import rerun.rerun_state_machine as rsm
@@ -616,6 +617,7 @@ def test_request_flags_are_saved_and_restored(monkeypatch):
 
 
 def test_torch_dist_wraps_the_rank_part_in_megatron_sharded_object(monkeypatch):
+    skip_below_torch_2_6("megatron-core")
     from megatron.core.dist_checkpointing.mapping import ShardedObject  # a test dependency
 
     monkeypatch.setenv("RANK", "1")

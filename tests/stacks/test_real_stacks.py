@@ -17,6 +17,7 @@ import pytest
 from launch_helpers import EXAMPLES, events, named, run_launcher, summary
 from test_lightning import FAST_STOP, one, steps_logged
 from test_lightning import TRAIN as LIGHTNING_SCRIPT
+from torch_support import skip_below_torch_2_6
 
 pytestmark = [pytest.mark.slow, pytest.mark.stacks, pytest.mark.timeout(180)]
 
@@ -61,6 +62,7 @@ def killed_once(run_dir: Path, counted_from: str) -> dict:
 
 
 def test_hf_trainer_unchanged_resumes_from_its_disk_checkpoint(run_dir: Path):
+    skip_below_torch_2_6("transformers")
     # The script never talks to the launcher: the fault counts from the spawn.
     proc = run_launcher(run_dir, *TWO_RANKS, "--ft-simulated-fault", KILL, HF_SCRIPT,
                         *HF_TRAINING, timeout=170)
@@ -74,6 +76,7 @@ def test_hf_trainer_unchanged_resumes_from_its_disk_checkpoint(run_dir: Path):
 
 
 def test_hf_trainer_with_the_callback_resumes_from_a_snapshot(run_dir: Path):
+    skip_below_torch_2_6("transformers")
     # Snapshots with the defaults: at the frequency the ranks agree on.
     proc = run_launcher(run_dir, *TWO_RANKS, "--ft-simulated-fault", KILL, HF_SCRIPT,
                         *HF_TRAINING, "--ft-callback", timeout=170)
