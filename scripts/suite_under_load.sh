@@ -30,7 +30,10 @@ for i in $(seq "$runs"); do
   else
     status=FAILED; failed=1
   fi
-  echo "run $i: $status in $(( $(date +%s) - start )) s ($(tail -n 1 "$log"))"
+  # The load average at the end: the busy loops and the suite count 2 + its share, more
+  # means other work on the machine too.
+  echo "run $i: $status in $(( $(date +%s) - start )) s ($(tail -n 1 "$log")); load" \
+    "$(cut -d' ' -f1-3 /proc/loadavg)"
   grep -E '^(FAILED|ERROR) ' "$log" || true
 done
 exit "$failed"

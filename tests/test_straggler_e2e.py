@@ -21,6 +21,7 @@ import pytest
 from launch_helpers import (
     ROOT,
     SCRIPTS,
+    TORCH_PRELOAD,
     events,
     launcher_cmd,
     named,
@@ -30,23 +31,30 @@ from launch_helpers import (
 
 from ft_launcher.stragglers.straggler import speed_table
 
-# Every case runs a real job for tens of seconds: the slow tier.
+# Every case runs a real job for seconds to tens of seconds: the slow tier.
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
 TRAIN = str(SCRIPTS / "straggler_train.py")
-# ~60 ms of pure-Python CPU per step on an idle core. rank_slow stretches the rank's own
-# sections (ft_agent); short sections are tested in test_rank_slow.py.
-WORK = "1000000"
-CLEAN_WORK = "350000"  # ~20 ms: the 8-rank clean run, for as many steps as it can get
+# A step's section: ~1 ms of pure-Python CPU, then 50 ms of sleep (work that waits, as on a
+# device). rank_slow stretches the whole section (ft_agent sleeps (factor - 1) times its wall
+# time inside it), so the slowed rank's sections take ~150 ms while the others' stay ~51 ms.
+# A sleep is hardly stretched by a busy machine and costs no CPU: the job proves the wiring
+# (fault, sections, monitor, detector, action) for a few CPU seconds. A section of pure CPU
+# work on ranks that share two cores differs by up to ~1.7x from scheduling alone (measured:
+# rank 0's 1.5x rank 1's with nothing slowed); that noise is what the clean 8-rank run below
+# keeps (and the fast tier's test_rank_slow.py), and the rules against it are tested on
+# synthetic times in test_straggler.py.
+LIGHT = ("--work", "20000", "--sleep", "0.05")
+# The clean 8-rank run: ~10 ms of pure-Python CPU per section on every rank, 8 ranks on 2
+# cores: scheduling noise and nothing else.
+CLEAN = ("--work", "175000", "--idle", "0.05")
 # base_delay of rank_slow: counted from the moment every rank is training, so the onset
-# follows at least a window of clean steps however long the imports took (at load ~14 a
-# step took up to 0.6 s)
-ONSET_S = 8.0
-# Two or four busy ranks sharing two cores with the launcher differ by up to ~1.7x from
-# scheduling alone (measured: rank 0's pure-CPU section 1.5x rank 1's with nothing slowed),
-# so these end-to-end cases slow the victim 3x and report above 2.0: they prove the wiring.
-# The default threshold (1.3) against noise is tested on synthetic times in
-# test_straggler.py and by the clean 8-rank run below.
+# follows a window of clean steps however long the imports took (~70 steps on an idle
+# machine; the cases assert the clean steps they need).
+ONSET_S = 4.0
+# The victim is slowed 3x and reported above 2.0: the options reach the detector, and a
+# loaded machine's noise stays far below either. The default threshold (1.3) is the last
+# case's.
 THRESHOLD = ("--ft-straggler-threshold", "2.0")
 SLOW = "rank_slow:factor=3,rank=1"
 # A stopped or wedged rank fails the test in a minute instead of at the timeouts below.
@@ -67,12 +75,13 @@ def steps(out: Path, rank: int, cycle: int = 0) -> list[tuple[int, float, float]
 
 
 def train(run_dir: Path, out: Path, nproc: int, *ft_args: str, until, bound_s: float,
-          cap_s: float = 150.0, idle: float = 0.0, work: str = WORK
+          cap_s: float = 150.0, job: tuple[str, ...] = LIGHT
           ) -> tuple[subprocess.CompletedProcess, list[dict]]:
     """Run the launcher; once ``until(events)`` holds (or after ``bound_s``) the training
-    is told to stop. The script stops itself after ``cap_s`` in any case."""
-    cmd = launcher_cmd(run_dir, "--nproc-per-node", str(nproc), *FAST_STOP, *ft_args, TRAIN,
-                       str(out), "--work", work, "--seconds", str(cap_s), "--idle", str(idle))
+    is told to stop. The script stops itself after ``cap_s`` in any case; ``job``: the
+    script's load (and any other of its options)."""
+    cmd = launcher_cmd(run_dir, *TORCH_PRELOAD, "--nproc-per-node", str(nproc), *FAST_STOP,
+                       *ft_args, TRAIN, str(out), *job, "--seconds", str(cap_s))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=ROOT, env={**os.environ})
     deadline = time.monotonic() + bound_s
@@ -154,11 +163,12 @@ def test_a_slow_rank_of_4_is_named_within_80_steps(run_dir: Path, tmp_path: Path
     assert {r["rank"] for r in rows if r["straggler"]} == {1}, rows
 
 
-# How long the transient slowdown lasts. On a quiet machine the slow rank is named ~5 s after
-# the onset, but on two cores shared with other work a step took up to 0.6 s (1.8 s slowed)
-# and the throttle bit in bursts: a 15 s slowdown ran out before a window of slow steps, and
-# CI once saw neither event.
-TRANSIENT_S = 45
+# How long the transient slowdown lasts: ~100 slowed steps of ~150 ms on an idle machine,
+# where the slowed rank is named after ~10-20 of them and cleared ~10 steps after the end.
+# (With 60 ms of CPU work a step on two cores shared with other work, a step once took 1.8 s
+# slowed and a 15 s slowdown ran out before a window of slow steps; a sleep is not stretched
+# so.)
+TRANSIENT_S = 15
 
 
 def slowed_steps(out: Path, evs: list[dict]) -> dict[int, list[float]]:
@@ -226,15 +236,20 @@ def test_exclude_action_requeues_without_the_stragglers_host(run_dir: Path, tmp_
     assert "straggler" in nxt["why"]
 
 
+CLEAN_STEPS = 150
+
+
 def test_a_clean_run_of_8_ranks_reports_no_straggler(run_dir: Path, tmp_path: Path):
-    """8 ranks on 2 shared cores for ~30 s of steps: noise, no straggler. The 5-minute run is
-    scripts/straggler_soak.sh."""
+    """8 ranks of pure-CPU sections on 2 shared cores for 150 steps: noise, no straggler.
+    150 steps: past the detector's baseline horizon (10 windows of 12) and the half of it
+    after which a rank slow from its first step is named, so every rule has had its say.
+    The 5-minute run is scripts/straggler_soak.sh."""
     out = tmp_path / "steps"
-    proc, evs = train(run_dir, out, 8, until=lambda evs: False, bound_s=400, cap_s=30,
-                      idle=0.05, work=CLEAN_WORK)
+    proc, evs = train(run_dir, out, 8, until=lambda evs: False, bound_s=400, cap_s=0,
+                      job=(*CLEAN, "--min-steps", str(CLEAN_STEPS)))
     assert proc.returncode == 0, proc.stdout[-3000:]
     counts = [len(steps(out, r)) for r in range(8)]
-    assert min(counts) >= 60, f"too few steps to say anything: {counts}"
+    assert counts == [CLEAN_STEPS] * 8, f"every rank runs every step: {counts}"
     # The whole run's medians: no rank slower than the others.
     table = speed_table(evs)
     assert len(table) == 8 and all(row["score"] < 1.3 for row in table), table
@@ -255,7 +270,7 @@ def test_device_times_reach_the_detector_and_name_the_rank(run_dir: Path):
     "device", once it has been slow for half the detector's horizon (50 steps here)."""
     from launch_helpers import run_launcher
 
-    res = run_launcher(run_dir, "--nproc-per-node", "2", *FAST_STOP, *THRESHOLD,
+    res = run_launcher(run_dir, *TORCH_PRELOAD, "--nproc-per-node", "2", *FAST_STOP, *THRESHOLD,
                        "--ft-straggler-window", "10",
                        str(SCRIPTS / "straggler_device_train.py"), "--steps", "90",
                        timeout=180)
@@ -269,12 +284,12 @@ def test_device_times_reach_the_detector_and_name_the_rank(run_dir: Path):
 def test_the_default_threshold_names_a_2x_rank_of_2_and_nothing_else(run_dir: Path,
                                                                    tmp_path: Path):
     """The issue's case with every straggler option at its default (threshold 1.3, window
-    12) and ``rank_slow:factor=2``. Measured with 60 ms steps (2026-12-01, load 2-4): named
-    13 of its steps after the onset with 2 ranks, 17 with 4; the bound is STEPS_BOUND (this
-    proves the wiring; see README "Stragglers", Limits)."""
+    12) and ``rank_slow:factor=2``. Measured with 60 ms steps of CPU work (2026-12-01, load
+    2-4): named 13 of its steps after the onset with 2 ranks, 17 with 4; the bound is
+    STEPS_BOUND (this proves the wiring; see README "Stragglers", Limits)."""
     out = tmp_path / "steps"
     proc, evs = train(run_dir, out, 2, "--ft-simulated-fault",
-                      f"rank_slow:factor=2,rank=1,base_delay={ONSET_S + 6}",
+                      f"rank_slow:factor=2,rank=1,base_delay={ONSET_S + 2}",
                       until=detected_then(5, out, 1), bound_s=180)
     assert proc.returncode == 0, proc.stdout[-3000:]
     onset = named(evs, "fault_injected")[0]["at"]

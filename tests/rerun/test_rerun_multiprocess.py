@@ -1,21 +1,25 @@
 """Real 2-rank jobs (gloo, CPU) driven by the rerun state machine, end to end.
 
-Each launch starts tests/rerun/worker.py twice (rank 0 and 1) in their own sessions, waits
-with a deadline and kills both process groups on timeout, so no process outlives a test.
+Each launch starts tests/rerun/worker.py twice (rank 0 and 1), each in its own session, as
+a fork of a forkserver that imported torch once for the module (tests/rerun/forked_worker.py
+says what a fork shares with a fresh interpreter and what it does not); it waits with a
+deadline and kills both sessions on timeout, so no process outlives a test, and the module
+stops its forkserver at the end.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import shutil
 import signal
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
+import forked_worker
 import pytest
 from rerun_test_support import clean_rerun_globals  # noqa: F401
 
@@ -31,10 +35,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(tmp: Path, name: str, *args: str, devices=("0", "1")) -> list[dict]:
+@pytest.fixture(scope="module")
+def forks():
+    """The module's forkserver, with torch and the rerun package imported; stopped at the
+    end (multiprocessing would keep it until this test process exits)."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(forked_worker.PRELOAD)
+    yield ctx
+    multiprocessing.forkserver._forkserver._stop()
+
+
+def launch(forks, tmp: Path, name: str, *args: str, devices=("0", "1")) -> list[dict]:
     """Run a 2-rank job; return per rank {"rc", "output", "events", "result"}."""
     port = _free_port()
-    procs = []
+    procs, logs = [], []
     for rank in range(2):
         env = dict(
             os.environ,
@@ -46,32 +60,30 @@ def launch(tmp: Path, name: str, *args: str, devices=("0", "1")) -> list[dict]:
             FT_DEVICE_ID=devices[rank],
             OMP_NUM_THREADS="1",
         )
-        cmd = [sys.executable, str(WORKER), *args, "--out", str(tmp / f"{name}.{rank}.json")]
-        procs.append(
-            subprocess.Popen(
-                cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                start_new_session=True,
-            )
-        )
+        argv = [*args, "--out", str(tmp / f"{name}.{rank}.json")]
+        logs.append(tmp / f"{name}.{rank}.log")
+        proc = forks.Process(target=forked_worker.run_script,
+                             args=(str(WORKER), argv, env, str(logs[-1])))
+        proc.start()
+        procs.append(proc)
     deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-    outputs = []
     try:
         for p in procs:
-            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            outputs.append(out)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"{name}: workers still running after {LAUNCH_TIMEOUT_S}s")
+            p.join(max(1.0, deadline - time.monotonic()))
+        if any(p.is_alive() for p in procs):
+            pytest.fail(f"{name}: workers still running after {LAUNCH_TIMEOUT_S}s")
     finally:
         for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.communicate()
+            if p.is_alive():
+                os.killpg(p.pid, signal.SIGKILL)  # its session: the fork and any child
+                p.join()
     ranks = []
-    for rank, (p, out) in enumerate(zip(procs, outputs, strict=True)):
+    for rank, (p, log) in enumerate(zip(procs, logs, strict=True)):
+        out = log.read_text() if log.exists() else ""
         path = tmp / f"{name}.{rank}.json"
-        assert path.exists(), f"{name} rank {rank} rc={p.returncode} wrote nothing:\n{out}"
+        assert path.exists(), f"{name} rank {rank} rc={p.exitcode} wrote nothing:\n{out}"
         data = json.loads(path.read_text())
-        ranks.append({"rc": p.returncode, "output": out, **data})
+        ranks.append({"rc": p.exitcode, "output": out, **data})
     return ranks
 
 
@@ -84,13 +96,13 @@ def passes(rank: dict, result_key: str | None = None) -> dict[int, int]:
     return {int(k): v for k, v in result["passes"].items()}
 
 
-def test_transient_errors_stale_failure_and_resume_after_exit_17(tmp_path):
+def test_transient_errors_stale_failure_and_resume_after_exit_17(forks, tmp_path):
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     # Rank 1 fails a non-fatal check at step 2, rank 0 at step 4 (where rank 1's stale step-2
     # failure must not be judged), then rank 1 a fatal one at step 6.
     r0, r1 = launch(
-        tmp_path, "a", "--ckpt", str(ckpt), "--steps", "8",
+        forks, tmp_path, "a", "--ckpt", str(ckpt), "--steps", "8",
         "--inject", "1:2:transient:aux", "--inject", "0:4:transient:aux",
         "--inject", "1:6:transient:loss",
     )
@@ -111,7 +123,7 @@ def test_transient_errors_stale_failure_and_resume_after_exit_17(tmp_path):
     ]
 
     # Resuming the exit-17 checkpoint runs step 6 again as a plain step (Megatron crashes).
-    r0, r1 = launch(tmp_path, "b", "--ckpt", str(ckpt), "--steps", "8")
+    r0, r1 = launch(forks, tmp_path, "b", "--ckpt", str(ckpt), "--steps", "8")
     assert (r0["rc"], r1["rc"]) == (0, 0), r0["output"] + r1["output"]
     for r in (r0, r1):
         assert r["result"]["first_step"] == 6
@@ -119,11 +131,11 @@ def test_transient_errors_stale_failure_and_resume_after_exit_17(tmp_path):
         assert r["events"] == []
 
 
-def test_persistent_error_correct_result_and_skip(tmp_path):
+def test_persistent_error_correct_result_and_skip(forks, tmp_path):
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     faulty = ["--steps", "5", "--inject", "1:3:device=1:loss"]
-    r0, r1 = launch(tmp_path, "first", "--ckpt", str(ckpt), *faulty)
+    r0, r1 = launch(forks, tmp_path, "first", "--ckpt", str(ckpt), *faulty)
     assert (r0["rc"], r1["rc"]) == (16, 16), r0["output"] + r1["output"]
     assert passes(r0) == passes(r1) == {1: 1, 2: 1, 3: 2}
     assert verdicts(r1) == [(3, None, None), (3, None, 16)]
@@ -134,21 +146,21 @@ def test_persistent_error_correct_result_and_skip(tmp_path):
     shutil.copytree(ckpt, saved)
 
     # Same devices again: the suspicious device cannot judge itself; asks 16 again.
-    r0, r1 = launch(tmp_path, "same", "--ckpt", str(ckpt), *faulty)
+    r0, r1 = launch(forks, tmp_path, "same", "--ckpt", str(ckpt), *faulty)
     assert (r0["rc"], r1["rc"]) == (16, 16), r0["output"] + r1["output"]
     assert passes(r1) == {3: 1}
     assert verdicts(r1) == [(3, None, 16)]
     assert r1["events"][-1]["state"] == "RERUNNING_AGAIN_FROM_CHECKPOINT"
 
     # Devices rotated: rank 1 now computes on device 0, gets no NaN: persistent error.
-    r0, r1 = launch(tmp_path, "other", "--ckpt", str(ckpt), *faulty, devices=("1", "0"))
+    r0, r1 = launch(forks, tmp_path, "other", "--ckpt", str(ckpt), *faulty, devices=("1", "0"))
     assert (r0["rc"], r1["rc"]) == (17, 17), r0["output"] + r1["output"]
     assert verdicts(r1) == [(3, "PERSISTENT_ERROR", 17)]
     assert verdicts(r0) == [(3, None, 17)]
 
     # The same checkpoint, but the input itself gives NaN: a correct result.
     r0, r1 = launch(
-        tmp_path, "correct", "--ckpt", str(saved), "--steps", "5",
+        forks, tmp_path, "correct", "--ckpt", str(saved), "--steps", "5",
         "--inject", "1:3:always:loss", devices=("1", "0"),
     )
     assert (r0["rc"], r1["rc"]) == (17, 17), r0["output"] + r1["output"]
@@ -159,8 +171,8 @@ def test_persistent_error_correct_result_and_skip(tmp_path):
     # Resubmitted, skipping step 3 whose diagnosis the checkpoint still holds: it must not
     # loop on exit 17; training goes on to the end.
     r0, r1 = launch(
-        tmp_path, "skip", "--ckpt", str(saved), "--steps", "5", "--inject", "1:3:always:loss",
-        "--skip-from-tracker", devices=("1", "0"),
+        forks, tmp_path, "skip", "--ckpt", str(saved), "--steps", "5",
+        "--inject", "1:3:always:loss", "--skip-from-tracker", devices=("1", "0"),
     )
     assert (r0["rc"], r1["rc"]) == (0, 0), r0["output"] + r1["output"]
     assert r1["result"]["skip"] == [3]
@@ -169,8 +181,8 @@ def test_persistent_error_correct_result_and_skip(tmp_path):
     assert "abandoned" in r1["events"][0]["message"]
 
 
-def test_reruns_are_bit_identical_without_injection(tmp_path):
-    (r0, r1) = launch(tmp_path, "det", "--mode", "determinism", "--steps", "4")
+def test_reruns_are_bit_identical_without_injection(forks, tmp_path):
+    (r0, r1) = launch(forks, tmp_path, "det", "--mode", "determinism", "--steps", "4")
     assert (r0["rc"], r1["rc"]) == (0, 0), r0["output"] + r1["output"]
     for r in (r0, r1):
         res = r["result"]

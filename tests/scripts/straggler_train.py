@@ -1,14 +1,16 @@
 """A small synchronous gloo job for straggler tests: compute in a section, then a collective.
 
 Each step: ``client.section(SECTION)`` around a fixed amount of pure-Python CPU work (the
-same on every rank, so a rank is slow only when its process is), then a gloo all-reduce
-that also carries rank 0's stop flag, so every rank leaves on the same step, then
-``--idle`` seconds of sleep (data loading, say; it also leaves CPU to others). Each rank
-appends ``step wall_time compute_s work_cpu_s`` per step to OUT/cycle_<c>_rank_<r>.txt
-(the section's wall time, and the CPU time of the work inside it, which the load on the
-machine does not stretch).
+same on every rank, so a rank is slow only when its process is) and then ``--sleep``
+seconds (work that waits, as on a device: the same on every rank, costs no CPU, and is
+hardly stretched by a busy machine), then a gloo all-reduce that also carries rank 0's stop
+flag, so every rank leaves on the same step, then ``--idle`` seconds of sleep (data
+loading, say; it also leaves CPU to others). Each rank appends ``step wall_time compute_s
+work_cpu_s`` per step to OUT/cycle_<c>_rank_<r>.txt (the section's wall time, and the CPU
+time of the work inside it, which the load on the machine does not stretch).
 
-    straggler_train.py OUT [--work N] [--seconds S] [--min-steps K] [--idle S] [--section N]
+    straggler_train.py OUT [--work N] [--sleep S] [--seconds S] [--min-steps K] [--idle S]
+                       [--section N]
 
 Rank 0 stops the job once OUT/stop exists (a test writes it when it has seen enough) or
 ``--seconds`` passed since the process started, and at least ``--min-steps`` steps ran.
@@ -42,6 +44,8 @@ def main() -> None:
     parser.add_argument("--work", type=int, default=700_000, help="loop iterations per step")
     parser.add_argument("--seconds", type=float, default=15.0)
     parser.add_argument("--min-steps", type=int, default=0)
+    parser.add_argument("--sleep", type=float, default=0.0,
+                        help="seconds slept inside the section, after the work")
     parser.add_argument("--idle", type=float, default=0.0)
     parser.add_argument("--section", default="compute")
     args = parser.parse_args()
@@ -61,6 +65,8 @@ def main() -> None:
             c0 = time.thread_time()
             work(args.work)
             work_cpu = time.thread_time() - c0
+            if args.sleep:
+                time.sleep(args.sleep)
         compute = time.monotonic() - t0
         done = step + 1 >= args.min_steps and (
             time.monotonic() - START >= args.seconds or (args.out / "stop").exists())
