@@ -779,7 +779,8 @@ def test_standby_worker_imports_nothing_heavy():
                          cwd=ROOT, timeout=30, check=True).stdout
     assert out.strip().split(",") == [
         "ft_launcher", "ft_launcher.warm", "ft_launcher.warm.worker_side",
-        "ft_launcher.warm.worker_side.activation", "ft_launcher.warm.worker_side.learning"]
+        "ft_launcher.warm.worker_side.activation", "ft_launcher.warm.worker_side.learning",
+        "ft_launcher.warm.worker_side.warmups"]
 
 
 ADOPTION = '''
