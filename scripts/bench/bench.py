@@ -156,7 +156,8 @@ def _selection(args: argparse.Namespace) -> tuple[list[str], list[str], str]:
     only = args.only or (LONG_MEASURES if args.long else ",".join(ALL_MEASURES))
     default = LONG_LAUNCHERS if args.long else ",".join(ALL_LAUNCHERS)
     if "compiled" in only.split(","):  # its own pair: the same script eager and compiled
-        default = ",".join((default, *measures.PLAIN))
+        alone = only.split(",") == ["compiled"]
+        default = ",".join(measures.PLAIN if alone else (default, *measures.PLAIN))
     names = args.launchers or default
     profile = "smoke" if args.smoke else "quick" if args.quick else \
         "long" if args.long else "full"
