@@ -201,6 +201,7 @@ EVENTS: dict[str, EventDoc] = {
         "warm restart", "the zygote imported modules the job's warm workers imported; "
         "standbys forked before are replaced",
         "modules (their packages), count, imported, import_s, cpu_s, pid (the new zygote), "
+        "warmed (the compiler's first-use work the new zygote did: torch_key, vector_isas), "
         "from_state (learned by an earlier job), memory"),
     "preload_refused": EventDoc(
         "warm restart", "a module the workers imported is left out of the preloads for "

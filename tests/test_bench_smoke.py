@@ -231,7 +231,7 @@ def test_bad_option_is_one_clear_line() -> None:
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines() == [
         "error: --only: expected a comma-separated subset of "
-        "heartbeat,hang,crash,startup,footprint,training,goodput,verdict, got "
+        "heartbeat,hang,crash,startup,footprint,training,goodput,verdict,compiled, got "
         "'heartbeat,speed'"]
 
 

@@ -64,6 +64,8 @@ def test_candidates_are_installed_modules_the_script_imported(tmp_path):
         "made.by.hand": _module("made.by.hand", spec=False),  # not importable by name
         "math": _module("math"),  # built in: no file
         "odd name": _module("odd name", str(site / "odd.py")),
+        # torch's compiler loads a kernel it compiled as "<hash>.kernel": no such package
+        "cabc123.kernel": _module("cabc123.kernel", str(tmp_path / "inductor" / "c.so")),
     }
     found = learning.candidates(modules, {"torch"}, [str(project)], [str(site)])
     assert found == ["transformers", "transformers.trainer", "tinypkg", "math"]
@@ -137,19 +139,20 @@ def test_read_names_file_refuses_links_fifos_and_big_files(tmp_path):
 def test_scans_follow_the_latest_activation_on_an_injected_clock():
     scans = lp.ScanClock()
     assert scans.due() is None and not scans.take(1e9)  # no warm worker yet
+    first, second, third, fourth, fifth = lp.SCAN_AFTER_S[:5]
     scans.activated(100.0)
-    assert scans.due() == 100.0 + lp.SCAN_AFTER_S[0]
-    assert not scans.take(103.9)
-    assert scans.take(104.0) and scans.due() == 100.0 + lp.SCAN_AFTER_S[1]
-    assert scans.take(150.0)  # late: one look stands for the two it missed
-    assert scans.due() == 100.0 + lp.SCAN_AFTER_S[3]
+    assert scans.due() == 100.0 + first
+    assert not scans.take(100.0 + first - 0.1)
+    assert scans.take(100.0 + first) and scans.due() == 100.0 + second
+    assert scans.take(100.0 + fourth)  # late: one look stands for the ones it missed
+    assert scans.due() == 100.0 + fifth
     scans.activated(200.0)  # a restart: the new workers' schedule
-    assert scans.due() == 204.0
+    assert scans.due() == 200.0 + first
     for _ in lp.SCAN_AFTER_S:
         assert scans.take(1000.0) or scans.due() is None
     assert scans.due() is None
-    wants = TickWants(False, False, False, False, scan_at=204.0)
-    assert next_tick(wants, now=201.0, cycle_start=200.0, interval=0.1) == 204.0
+    wants = TickWants(False, False, False, False, scan_at=200.0 + third)
+    assert next_tick(wants, now=201.0, cycle_start=200.0, interval=0.1) == 200.0 + third
     assert next_tick(TickWants(False, False, False, False), 201.0, 200.0, 0.1) is None
 
 
@@ -227,6 +230,10 @@ MODULES = {
     "reads_rank_deep.py": "import reads_rank\n",
     "fails_mod.py": "raise ImportError('needs a GPU')\n",
     "shared_env.py": "import os\nRUN = os.environ.get('FT_RUN_DIR')\n",
+    # picks its settings out of the whole environment, as networkx does
+    "walks_env.py": "import os\nMINE = {k: v for k, v in os.environ.items() "
+                    "if k.startswith('WALKS_')}\nALL = os.environ.copy()\n"
+                    "VALUES = list(os.environ.values())\n",
 }
 LEARN = '''
 import gc, json, os, sys  # gc: loaded by the preloads (torch does)
@@ -235,7 +242,7 @@ from ft_launcher.warm.worker_side import learning, zygote
 
 out = {}
 for names in (sys.argv[1:2], sys.argv[2:]):
-    imported, forget, refused = learning.learn(
+    imported, forget, refused, _warmed = learning.learn(
         names, {"_socket"}, lambda: zygote.unsafe_reason("its import", "the learner"),
         lambda name: None)
     out[names[0]] = [imported, sorted(forget), refused]
@@ -252,20 +259,95 @@ print(json.dumps(out))
 def test_the_learner_stops_at_a_module_that_would_spoil_the_zygote(tmp_path, culprit,
                                                                       expected):
     """The first call learns a module that needs ``socket``: ``_socket`` is not the zygote's
-    own any more. The second stops at the culprit, after the module before it."""
+    own any more. The second stops at the culprit, after the modules before it."""
     for name, text in MODULES.items():
         (tmp_path / name).write_text(text)
-    proc = subprocess.run([sys.executable, "-c", LEARN, "fine_mod", "shared_env", culprit,
-                           "json"], capture_output=True, text=True, cwd=ROOT, timeout=60,
+    proc = subprocess.run([sys.executable, "-c", LEARN, "fine_mod", "shared_env",
+                           "walks_env", culprit, "json"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=60,
                           env={**os.environ, "PYTHONPATH": f"{tmp_path}:{SCRIPTS}",
-                               "FT_RUN_DIR": "/run"})
+                               "FT_RUN_DIR": "/run", "RANK": "0", "MASTER_ADDR": "host"})
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["fine_mod"] == [1, [], None]  # socket imported _socket: the workers' now
+    # shared_env reads FT_RUN_DIR, the same in every rank; walks_env reads every variable
+    # without naming one: both learned. json: never reached.
     imported, forget, (name, reason) = out["shared_env"]
-    assert (imported, forget, name) == (1, ["_socket"], culprit)  # json: never reached
+    assert (imported, forget, name) == (2, ["_socket"], culprit)
     assert reason.startswith(expected)
     assert out["environ"] == "_Environ"  # the watch is gone
+
+
+# -- the compiler's warm-ups, in a real interpreter ---------------------------------------
+
+WARM = '''
+import json, os, subprocess, sys
+import torch, torch._dynamo  # the default preloads
+from ft_launcher.warm.worker_side import learning, zygote
+
+imported, forget, refused, warmed = learning.learn(
+    ["torch._inductor.compile_fx"], set(),
+    lambda: zygote.unsafe_reason("its import", "the learner"), lambda name: None)
+import torch._inductor.codecache as codecache
+import torch._inductor.config as config
+import torch._inductor.cpu_vec_isa as isa
+from torch._dynamo.utils import compilation_time_metrics
+
+out = {"refused": refused, "warmed": warmed, "threads": len(os.listdir("/proc/self/task")),
+       "metrics": sorted(compilation_time_metrics),
+       "list_cached": isa.valid_vec_isa_list.cache_info().currsize}
+probes = []
+run = subprocess.run
+
+
+def counted(*args, **kwargs):
+    probes.append(args)
+    return run(*args, **kwargs)
+
+
+def again(*args, **kwargs):
+    raise AssertionError("hashed again")
+
+
+# What a fork of this learner does at its first compiled step.
+subprocess.run, codecache.build_code_hash = counted, again
+codecache.torch_key()
+if "off" in sys.argv:  # a script that turns vectorization off before it compiles
+    config.cpp.vec_isa_ok = False
+out["isas"] = [str(i) for i in isa.valid_vec_isa_list()]
+out["probes"] = len(probes)
+print(json.dumps(out))
+'''
+FRESH = ("import json, sys, torch._inductor.cpu_vec_isa as isa, torch._inductor.config as c\n"
+         "if 'off' in sys.argv: c.cpp.vec_isa_ok = False\n"
+         "print(json.dumps([str(i) for i in isa.valid_vec_isa_list()]))")
+
+
+@pytest.mark.slow  # imports torch's compiler and probes the CPU, four times: ~20 s
+@pytest.mark.parametrize("vectorize", ["default", "off"])
+def test_the_learner_does_the_compilers_first_use_work_that_forks_inherit(vectorize):
+    """Learning torch's compiler also does torch's base check of each vector instruction
+    set the CPU has (a compiled probe loaded in a child interpreter each) and hashes
+    torch's sources, as a worker's first compiled step would: a fork then probes at most
+    what torch checks beyond those, hashes nothing, and finds the sets a fresh process
+    finds, also when the script turns vectorization off before it compiles. The hash's
+    time is not among the worker's compile times; no thread is left."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the zygote's
+    proc = subprocess.run([sys.executable, "-c", WARM, vectorize], capture_output=True,
+                          text=True, cwd=ROOT, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert (out["refused"], out["warmed"]) == (None, ["torch_key", "vector_isas"])
+    assert (out["threads"], out["metrics"], out["list_cached"]) == (1, [], 0)
+    fresh = subprocess.run([sys.executable, "-c", FRESH, vectorize], capture_output=True,
+                           text=True, cwd=ROOT, timeout=120, env=env, check=True)
+    assert out["isas"] == json.loads(fresh.stdout)
+    if vectorize == "off":
+        assert (out["isas"], out["probes"]) == ([], 0)
+    else:
+        # torch's base check of each set is done; the AVX-512 extras (bf16, VNNI) are not
+        sets = [s for s in out["isas"] if s.startswith("avx512")]
+        assert out["probes"] <= 2 * len(sets)
 
 
 # -- end to end ---------------------------------------------------------------------------

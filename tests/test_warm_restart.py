@@ -30,6 +30,7 @@ from launch_helpers import (
     wait_for,
 )
 
+from ft_launcher.process import cold_exit
 from ft_launcher.warm.standby_process import PythonEntry, encode_record
 from ft_launcher.warm.worker_side import activation
 
@@ -779,7 +780,8 @@ def test_standby_worker_imports_nothing_heavy():
                          cwd=ROOT, timeout=30, check=True).stdout
     assert out.strip().split(",") == [
         "ft_launcher", "ft_launcher.warm", "ft_launcher.warm.worker_side",
-        "ft_launcher.warm.worker_side.activation", "ft_launcher.warm.worker_side.learning"]
+        "ft_launcher.warm.worker_side.activation", "ft_launcher.warm.worker_side.learning",
+        "ft_launcher.warm.worker_side.warmups"]
 
 
 ADOPTION = '''
@@ -950,3 +952,52 @@ def test_a_script_that_leaves_its_group_up_has_it_destroyed_at_a_clean_exit_only
         assert (out / "destroyed_0").read_text() == "initialized=True\n"
     else:
         assert destroyed == []
+
+
+# -- cold workers end as warm ones do ------------------------------------------------------
+
+
+@pytest.mark.parametrize("end, code", [("exit", 0), ("exit", 3), ("raise", None)])
+def test_a_cold_script_ending_with_a_collective_in_flight_keeps_its_exit_code(
+        tmp_path, run_dir, end, code):
+    """Rank 0 of exit_with_group_up.py ends while its all-reduce completes and runs a
+    Python callback: with its gloo group still up at the interpreter's finalization it
+    dies of SIGABRT (every time, here). A cold worker's exit hook destroys the group after
+    the script's own exit handlers, so the rank exits with its own status; after an
+    uncaught exception it leaves the group alone. The script sees at start what a plain
+    ``python`` sees: the hook takes itself out of PYTHONPATH, sys.path and sys.modules."""
+    out = tmp_path / "out"
+    ending = ["--raise"] if end == "raise" else ["--code", str(code)]
+    res = run_launcher(run_dir, "--nproc-per-node", "2", "--max-restarts", "0",
+                       "--no-ft-warm-restart", str(SCRIPTS / "exit_with_group_up.py"),
+                       str(out), *ending, timeout=120)
+    exits = {e["rank"]: e for e in named(events(run_dir), "worker_exited")}
+    assert not any(e["warm"] for e in exits.values()), exits
+    if end == "raise":
+        assert not (out / "destroyed_0").exists(), "left alone after a failure"
+        return
+    assert res.returncode == (0 if code == 0 else 1), res.stdout[-3000:]
+    assert (exits[0]["exit_code"], exits[0]["signal"]) == (code, None), exits
+    assert exits[1]["exit_code"] == 0, exits
+    assert (out / "destroyed_0").exists()
+    subprocess.run([sys.executable, "-u", str(SCRIPTS / "exit_with_group_up.py"), str(out)],
+                   check=True, timeout=60, cwd=ROOT)
+    plain = json.loads((out / "seen_plain.json").read_text())
+    for rank in (0, 1):
+        assert json.loads((out / f"seen_{rank}.json").read_text()) == plain
+
+
+def test_the_exit_hook_goes_only_where_the_interpreter_loads_it():
+    """A cold worker's PYTHONPATH gets the hook's directory first, and the value to put
+    back beside it; not for a program that is not this interpreter, nor for one whose
+    options make it skip ``site`` or the environment."""
+    script = "/job/train.py"
+    hooked = cold_exit.exit_hook_env([sys.executable, "-u", script], {"PYTHONPATH": "/lib"})
+    assert hooked["PYTHONPATH"] == f"{cold_exit.HOOK_DIR}{os.pathsep}/lib"
+    assert hooked[cold_exit.ORIGINAL] == "/lib"
+    bare = cold_exit.exit_hook_env([sys.executable, "-u", "-m", "pkg.train"], {})
+    assert (bare["PYTHONPATH"], bare[cold_exit.ORIGINAL]) == (cold_exit.HOOK_DIR, "-")
+    for argv in ([sys.executable, "-I", script], [sys.executable, "-uE", script],
+                 [sys.executable, "-S", script], ["/usr/bin/python3", script],
+                 ["./train.sh"], []):
+        assert cold_exit.exit_hook_env(argv, {"A": "1"}) == {"A": "1"}, argv

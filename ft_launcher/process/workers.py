@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ft_launcher.process.cold_exit import exit_hook_env
 from ft_launcher.process.guardian import Guardian
 from ft_launcher.process.output import OutputPump, Sink, open_log
 
@@ -226,7 +227,8 @@ class WorkerGroup:
     def _spawn(self, spec: WorkerSpec) -> Worker:
         sink = self.sink(spec)
         try:
-            proc = spawn_process(spec.argv, spec.env, stdin=subprocess.DEVNULL)
+            proc = spawn_process(spec.argv, exit_hook_env(spec.argv, spec.env),
+                                 stdin=subprocess.DEVNULL)
         except OSError:
             sink.close()
             raise

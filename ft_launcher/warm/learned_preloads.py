@@ -32,9 +32,9 @@ from ft_launcher.warm.zygote_link import LearnResult, ZygoteSide
 
 log = logging.getLogger("ft_launcher")
 
-# After an activation: the workers write at 3, 10, 30 and 90 s (learning.RECORD_AT_S); one
-# more look later catches a write that a busy machine delayed.
-SCAN_AFTER_S = (4.0, 11.0, 31.0, 91.0, 150.0)
+# After an activation: the workers write at 1, 3, 10, 30 and 90 s (learning.RECORD_AT_S);
+# one more look later catches a write that a busy machine delayed.
+SCAN_AFTER_S = (1.5, 4.0, 11.0, 31.0, 91.0, 150.0)
 MAX_FILE_BYTES = 512 * 1024
 # Failed rounds per job: each refusal costs a learner, so a bad stack cannot loop. (Rounds
 # that succeed are bounded by the module names: each makes some known.)
@@ -279,7 +279,7 @@ class PreloadLearning:
             names = self.book.on_learned()
             self.event("preload_learned", modules=top_level(names), count=len(names),
                        imported=result.imported, import_s=result.import_s,
-                       cpu_s=result.cpu_s, pid=result.pid,
+                       cpu_s=result.cpu_s, pid=result.pid, warmed=result.warmed,
                        from_state=self.from_state, **memory_mb(result.pid))
             self.from_state = False
         save_state(self.state_path, self.book)

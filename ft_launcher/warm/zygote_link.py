@@ -31,6 +31,7 @@ from ft_launcher.warm.standby_process import (
     run_dir_env,
     standby_sink,
 )
+from ft_launcher.warm.worker_side.learning import valid_name
 
 log = logging.getLogger("ft_launcher")
 
@@ -146,6 +147,7 @@ class LearnResult:
     import_s: float | None = None
     cpu_s: float | None = None
     pid: int | None = None
+    warmed: list[str] = field(default_factory=list)  # the compiler's warm-ups it ran
 
 
 @dataclass
@@ -391,10 +393,12 @@ class ZygoteSide:
             self._drop_learner()
             return LearnResult(refused=(name, reason))
         elif kind == "learned" and learner.proc is not None:
-            fields = [*rest.split(), "", "", ""]
+            fields = [*rest.split(), "", "", "", ""]
             learner.done = LearnResult(imported=int(fields[0]) if fields[0].isdigit() else 0,
                                        import_s=float_or_none(fields[1]),
-                                       cpu_s=float_or_none(fields[2]), pid=learner.proc.pid)
+                                       cpu_s=float_or_none(fields[2]), pid=learner.proc.pid,
+                                       warmed=[n for n in fields[3].split(",")
+                                               if valid_name(n)])
         else:
             log.warning("learner: %s", message[:200])
         return None

@@ -61,11 +61,12 @@ log = logging.getLogger("bench")
 ALL_MEASURES = ("heartbeat", "hang", "crash", "startup", "footprint", "training", "goodput")
 # Run only when named in --only: the verdict's latency past the timeout, counted from the
 # victim's last send_heartbeat() call (it is SIGSTOPped right after one returns).
-EXTRA_MEASURES = ("verdict",)
+EXTRA_MEASURES = ("verdict", "compiled")
 ALL_LAUNCHERS = ("ours", measures.COLD, measures.WARM, "torchrun", "nvrx")
 # Run only when named in --launchers (or by --long): ours with in-memory snapshots.
 EXTRA_LAUNCHERS = (measures.SNAP,)
-LAUNCHER_CHOICES = ("ours", measures.COLD, measures.WARM, measures.SNAP, "torchrun", "nvrx")
+LAUNCHER_CHOICES = ("ours", measures.COLD, measures.WARM, measures.SNAP, "torchrun", "nvrx",
+                    *measures.PLAIN)
 # Snapshots change what a restart resumes from: ours-snap runs only in the fixed training.
 SNAP_KINDS = ("clean", "faulted")
 # torchrun has no heartbeat client and no monitor: nothing to measure for these two.
@@ -153,7 +154,11 @@ def _selection(args: argparse.Namespace) -> tuple[list[str], list[str], str]:
     if sum((args.quick, args.smoke, args.long)) > 1:
         raise SystemExit("error: --quick, --smoke and --long: choose one")
     only = args.only or (LONG_MEASURES if args.long else ",".join(ALL_MEASURES))
-    names = args.launchers or (LONG_LAUNCHERS if args.long else ",".join(ALL_LAUNCHERS))
+    default = LONG_LAUNCHERS if args.long else ",".join(ALL_LAUNCHERS)
+    if "compiled" in only.split(","):  # its own pair: the same script eager and compiled
+        alone = only.split(",") == ["compiled"]
+        default = ",".join(measures.PLAIN if alone else (default, *measures.PLAIN))
+    names = args.launchers or default
     profile = "smoke" if args.smoke else "quick" if args.quick else \
         "long" if args.long else "full"
     return (_choice("--only", only, ALL_MEASURES + EXTRA_MEASURES),
@@ -275,6 +280,30 @@ def method(s: Settings) -> list[str]:
         f"launcher-side processes (as in footprint) over {s.footprint_window_s:g} s. "
         "Then the same with each step also in a 'compute' section (not torchrun: no client).",
         *_goodput_method(s),
+        *_compiled_method(s),
+    ]
+
+
+def _compiled_method(s: Settings) -> list[str]:
+    """How the compiled measure is taken."""
+    early, late = s.compiled_kills_s
+    return [
+        "compiled (only with --only compiled): ours-eager and ours-compiled = ours with its "
+        "defaults alone (--master-addr, --nproc-per-node, --max-restarts, --ft-run-dir: no "
+        "heartbeat option), running the workload without a client (a torchrun script, no "
+        "ft_agent): ours-eager as is, ours-compiled with the workload's --compile (the "
+        "model under torch.compile, inductor, then wrapped in DDP). Every run of the pair "
+        "has the same TMPDIR, where torch's compiler keeps its caches (compiled graphs, "
+        "kernels, precompiled headers), filled once before the first run by a 5-step "
+        "compiled training: each compiled run starts as a rerun of the job on its machine "
+        "does (its first step in seconds, not the minute a first compile takes here). The "
+        f"driver SIGKILLs rank 1 {early:g} s (early) and {late:g} s (late) after the first "
+        "step of every rank of cycle 0, whether or not standbys are ready or learning is "
+        "done (--max-restarts 2); each figure is SIGKILL → the first step of every rank of "
+        "the next cycle, whose first step is the first compiled step of a new process. "
+        "The JSON keeps each restart's warm flags and what the zygote had learned by each "
+        "kill (modules, the compiler's warm-ups), and first_step_s (launcher start → the "
+        "first step of every rank of cycle 0).",
     ]
 
 
@@ -375,6 +404,8 @@ def launchers_for(kind: str, launchers: list[str]) -> list[str]:
     """Which of the selected launchers a run kind of ``_measure_plan`` is taken for."""
     out = []
     for x in launchers:
+        if (kind == "compiled") != (x in measures.PLAIN):  # the pair runs there alone
+            continue
         if kind in CLIENT_MEASURES and x == "torchrun":
             continue
         if x in (measures.WARM, measures.COLD) and kind not in WARM_KINDS:

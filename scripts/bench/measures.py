@@ -37,7 +37,12 @@ STORE = "ours-store"  # cold, with --ft-agent-store: a store-only zygote hosts e
 # ours with its defaults plus in-memory snapshots (--ft-snapshot-every, Settings.snapshot_every);
 # its workload offers a snapshot each step and resumes from one before the disk checkpoint
 SNAP = "ours-snap"
-OURS = ("ours", WARM, STORE, COLD, SNAP)
+# The compiled measure: ours with its defaults alone (no heartbeat options), the workload
+# without a client (a torchrun script), eager or under torch.compile (the workload's --compile)
+EAGER = "ours-eager"
+COMPILED = "ours-compiled"
+PLAIN = (EAGER, COMPILED)
+OURS = ("ours", WARM, STORE, COLD, SNAP, *PLAIN)
 # DDP imports torch._dynamo when it is built (~1.4 s here): preloading it too is what makes a
 # warm DDP worker reach its first step quickly.
 WARM_PRELOAD = "torch,torch._dynamo"
@@ -82,6 +87,8 @@ class Settings:
     # and a spare (nodes_run.py); goodput's third fault then loses a node
     nodes: int = 1
     hb_timeout_s: float = HB_TIMEOUT_S  # the goodput runs' --ft-rank-heartbeat-timeout
+    # compiled: the two SIGKILLs, this long after the first step of every rank of cycle 0
+    compiled_kills_s: tuple[float, float] = (2.0, 60.0)
 
 
 @dataclass
@@ -111,7 +118,13 @@ class Launchers:
         n, r = str(nproc), str(max_restarts)
         hb, init = str(hb_timeout_s), str(INITIAL_TIMEOUT_S)
         standalone = ["--standalone", "--local-addr", "127.0.0.1"]
-        if name in OURS:
+        if name in PLAIN:
+            head = [*self.ours, "--master-addr", "127.0.0.1", "--nproc-per-node", n,
+                    "--max-restarts", r, "--ft-run-dir", str(workdir / "ft_run")]
+            client = "none"
+            if name == COMPILED:
+                workload_args = [*workload_args, "--compile"]
+        elif name in OURS:
             head = [*self.ours, *(rdzv or ["--master-addr", "127.0.0.1"]),
                     "--nproc-per-node", n, "--max-restarts", r,
                     "--ft-run-dir", str(workdir / "ft_run"),
@@ -751,18 +764,23 @@ def crash_twice(ctx: Context, launcher: str, tag: str, after_s: float = 2.0) -> 
             t_first = max(r["t"] for r in run.first_steps(frozenset(seen)).values())
             run.sleep_until(t_first + after_s)
             seen |= run.worker_pids()
-            t_kill = run.signal_worker(run.pid_of(1), signal.SIGKILL)
-            if not run.wait(lambda ex=frozenset(seen): _all_started(run, s.nproc, ex),
-                            s.crash_bound_s):
-                out.update({f"{name}_s": None,
-                            "note": f"fault {n} not recovered within {s.crash_bound_s:.0f} s"})
+            out[f"{name}_s"] = _kill_rank_1(run, s, frozenset(seen))
+            if out[f"{name}_s"] is None:
+                out["note"] = f"fault {n} not recovered within {s.crash_bound_s:.0f} s"
                 break
-            t_new = max(r["t"] for r in run.first_steps(frozenset(seen)).values())
-            out[f"{name}_s"] = round(t_new - t_kill, 4)
             if ft is not None:
                 out[f"{name}_warm"] = _restart_warm_flags(run, ft, n)
     out.setdefault("second_s", None)
     return out
+
+
+def _kill_rank_1(run: Run, s: Settings, old: frozenset[int]) -> float | None:
+    """SIGKILL rank 1; seconds to the first step of every rank not among ``old`` (the
+    workers before the kill), None when they do not all step within the crash bound."""
+    t_kill = run.signal_worker(run.pid_of(1), signal.SIGKILL)
+    if not run.wait(lambda: _all_started(run, s.nproc, old), s.crash_bound_s):
+        return None
+    return round(max(r["t"] for r in run.first_steps(old).values()) - t_kill, 4)
 
 
 def hang_restart(ctx: Context, launcher: str, tag: str, after_s: float = 2.0) -> Result:
@@ -834,3 +852,71 @@ def standby_memory(ctx: Context, launcher: str, tag: str) -> Result:
             "ratio_to_one": round(pss / ref_pss, 2), "processes": len(procs),
             "launcher_pss_mb": round(launcher_pss / 2**20, 1),
             "with_launcher_ratio_to_one": round((pss + launcher_pss) / ref_pss, 2)}
+
+
+# -- a compiled training against the same training eager --------------------------------
+
+COMPILER_TMP = "compiler-tmp"  # under the driver's root: TMPDIR of every compiled-measure run
+
+
+def compiled(ctx: Context, launcher: str, tag: str) -> Result:
+    """The same training eager (ours-eager) or under torch.compile (ours-compiled), with the
+    launcher's defaults and no client: SIGKILL rank 1 at each of ``compiled_kills_s`` after
+    the first step of every rank of cycle 0 (once early, once after a minute); for each,
+    SIGKILL → the first step of every rank of the next cycle, and how that restart started
+    (``workers_started``'s warm flags) and what the zygote had learned by the kill (the
+    modules, the compiler's warm-ups). Nothing waits for standbys or learning.
+
+    Every run has the same TMPDIR, where torch's compiler keeps its caches (compiled
+    graphs, kernels, precompiled headers), filled once by ``warm_compiler_caches``: the
+    compiled runs start as a rerun of a job on its machine does."""
+    s = ctx.settings
+    tmp = warm_compiler_caches(ctx)
+    ft = FtEvents(run_dir_events(ctx, tag))
+    out: Result = {}
+    run = ctx.run(tag, launcher, s.nproc, len(s.compiled_kills_s), ctx.train_args(ENDLESS_STEPS))
+    run.env["TMPDIR"] = str(tmp)
+    with run:
+        failed = _start_and_wait(run, ctx, s.nproc)
+        if failed:
+            return {"early_s": None, "late_s": None, **failed}
+        t_first = max(r["t"] for r in run.first_steps().values())
+        out["first_step_s"] = round(t_first - run.t_start, 3)
+        seen: set[int] = set()
+        kills = zip(("early", "late"), s.compiled_kills_s, strict=True)
+        for n, (name, after) in enumerate(kills, 1):
+            run.sleep_until(t_first + after)
+            seen |= run.worker_pids()
+            out[f"{name}_learned"] = _learned(ft.refresh())
+            out[f"{name}_s"] = _kill_rank_1(run, s, frozenset(seen))
+            if out[f"{name}_s"] is None:
+                out["note"] = f"fault {n} not recovered within {s.crash_bound_s:.0f} s"
+                break
+            out[f"{name}_warm"] = _restart_warm_flags(run, ft, n)
+    out.setdefault("late_s", None)
+    return out
+
+
+def _learned(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the zygote had learned so far: modules, and the compiler's warm-ups."""
+    rounds = [r for r in records if r.get("event") == "preload_learned"]
+    return {"modules": sum(int(r.get("count") or 0) for r in rounds),
+            "warmed": sorted({w for r in rounds for w in r.get("warmed") or []})}
+
+
+def warm_compiler_caches(ctx: Context) -> Path:
+    """The compiled measure's TMPDIR, its compiler caches filled by one short compiled
+    training (untimed) the first time it is asked for."""
+    tmp = ctx.root / COMPILER_TMP
+    done = tmp / ".warm"
+    if done.exists():
+        return tmp
+    tmp.mkdir(exist_ok=True)
+    s = ctx.settings
+    run = ctx.run("compiled-caches", COMPILED, s.nproc, 0, ctx.train_args(5))
+    run.env["TMPDIR"] = str(tmp)
+    with run:
+        if not run.wait_exit(s.start_bound_s * 2) or run.exit_code != 0:
+            raise RuntimeError(f"the compiler's caches were not filled (exit {run.exit_code})")
+    done.touch()
+    return tmp

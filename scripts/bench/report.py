@@ -9,8 +9,13 @@ from typing import Any
 WARM = "ours-warm"  # ours with warm restart; compared with ours (cold) and the others
 SNAP = "ours-snap"  # ours with in-memory snapshots; compared with ours and the others
 VARIANTS = (WARM, SNAP)  # each has its own table of ratios, out of ours' columns
+EAGER, COMPILED = "ours-eager", "ours-compiled"  # the compiled measure's pair
 LAUNCHER_TITLES = {"ours": "ours", WARM: "ours-warm", "ours-cold": "ours-cold",
-                   SNAP: "ours-snap", "torchrun": "torchrun", "nvrx": "NVRx 0.4.1"}
+                   SNAP: "ours-snap", "torchrun": "torchrun", "nvrx": "NVRx 0.4.1",
+                   EAGER: "eager", COMPILED: "torch.compile"}
+# The compiled restart's targets: SIGKILL -> every rank's next step, median of the runs.
+COMPILED_TARGETS = {"early_s": ("in the job's first seconds", 0.8),
+                    "late_s": ("after a minute of training", 0.4)}
 # Which ratios are taken: base launcher -> the key its ratios go under in a summary row.
 RATIO_KEYS = {"ours": "ratio_vs_ours", WARM: "ratio_vs_ours_warm", SNAP: "ratio_vs_ours_snap"}
 # The snapshot goodput target: every run of ours-snap at least this.
@@ -69,6 +74,10 @@ METRICS = [
            ratio=False, digits=0),
     Metric("goodput", "redone_node", "steps redone after the lost node, same", "steps",
            ratio=False, digits=0),
+    Metric("compiled", "early_s", "SIGKILL in the job's first seconds → first step of every "
+           "rank, next cycle", "s"),
+    Metric("compiled", "late_s", "SIGKILL after a minute of training → same", "s"),
+    Metric("compiled", "first_step_s", "launcher start → first step of every rank", "s"),
 ]
 
 
@@ -174,7 +183,27 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                                       f"{title} (median per-pair ratio > 1)",
                             "value": round(r, 2), "met": r > 1})
     return out + snapshot_targets(by_key.get(("goodput", "goodput_pair"))
-                                  or by_key.get(("goodput", "goodput")))
+                                  or by_key.get(("goodput", "goodput"))) \
+        + compiled_targets(by_key)
+
+
+def compiled_targets(by_key: dict[tuple[str, str], dict[str, Any]]) -> list[dict[str, Any]]:
+    """The compiled training's restarts against their bounds (median over the runs; a run
+    without a figure fails), with the same script eager beside it."""
+    out = []
+    for key, (when, bound) in COMPILED_TARGETS.items():
+        row = by_key.get(("compiled", key))
+        mine = row["summary"].get(COMPILED) if row else None
+        if mine is None:
+            continue
+        eager = row["summary"].get(EAGER, {}).get("median")
+        value = mine.get("median")
+        out.append({"target": f"torch.compile: SIGKILL {when} → first step of every rank "
+                              f"at most {bound} s (median; eager "
+                              f"{'—' if eager is None else f'{eager:.2f} s'})",
+                    "value": None if value is None else round(value, 2),
+                    "met": value is not None and value <= bound and mine["n_ok"] == mine["n"]})
+    return out
 
 
 def snapshot_targets(row: dict[str, Any] | None) -> list[dict[str, Any]]:

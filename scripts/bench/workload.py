@@ -20,7 +20,8 @@ each (``FIRST_STEP <unix time> rank=<r> cycle=<c>``), flushed, for a person read
 
 Modes: ``train`` (DDP steps, checkpoint every ``--ckpt-every`` steps, resume after a restart;
 ``--sections``: each step in a ``compute`` section; ``--snapshots``: with ``--client ours``,
-also an in-memory snapshot every step, restored before the disk checkpoint),
+also an in-memory snapshot every step, restored before the disk checkpoint; ``--compile``:
+the model under ``torch.compile``),
 ``heartbeat`` (time ``--calls`` heartbeats and exit) and ``idle`` (heartbeat at ``--hz`` for
 ``--duration`` seconds, no compute: the footprint measure).
 """
@@ -65,6 +66,9 @@ def parse_args() -> argparse.Namespace:
                    help="train mode: this many MB of extra float32 state per rank, changed "
                         "every step and kept in each checkpoint and snapshot (the cost of "
                         "saving a large model without the compute of training one)")
+    p.add_argument("--compile", action="store_true",
+                   help="train mode: the model under torch.compile (inductor, the default "
+                        "backend), then wrapped in DDP")
     p.add_argument("--light", action="store_true",
                    help="train mode without torch: a step is the sleep alone, the checkpoint a "
                         "JSON file (the smoke test's quick variant; the benchmark never uses it)")
@@ -258,7 +262,10 @@ def run_train(client: Any, record: Recorder, args: argparse.Namespace) -> None:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         ballast.copy_(state["ballast"])
-    ddp = DistributedDataParallel(model) if world > 1 else model
+    # Compiled first, then wrapped: the model's graph goes through inductor (C++ kernels
+    # on CPU), and DDP's hooks stay outside it.
+    net = torch.compile(model) if args.compile else model
+    ddp = DistributedDataParallel(net) if world > 1 else net
     gen = torch.Generator().manual_seed(record.rank)
     sections = args.sections and hasattr(client, "start_section")
     heartbeat = HeartbeatMark(client, args.hb_mark, record.rank)

@@ -3,7 +3,8 @@
 Written for ``torchrun`` alone: a DDP model, a DistributedSampler, a checkpoint file
 written by rank 0 every ``--save-every`` epochs and loaded at start when it exists.
 ft_agent is imported only behind ``--ft`` (as a user would add it), so run without the flag
-the script never talks to the launcher, though its source names ft_agent.
+the script never talks to the launcher, though its source names ft_agent. ``--compile``
+puts the model under ``torch.compile`` before DDP wraps it.
 
     torchrun --nproc-per-node 2 tests/stacks/ddp_torchrun.py --epochs 20
 """
@@ -29,6 +30,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--step-time", type=float, default=0.02, help="extra seconds per step")
     p.add_argument("--checkpoint", default=None, help="[FT_RUN_DIR or .]/ddp_checkpoint.pt")
     p.add_argument("--ft", action="store_true", help="heartbeats through ft_agent")
+    p.add_argument("--compile", action="store_true", help="the model under torch.compile")
     return p.parse_args()
 
 
@@ -55,7 +57,8 @@ class Trainer:
             self.epochs_run = saved["epochs_run"]
             print(f"[rank {self.rank}] resuming from the checkpoint at epoch {self.epochs_run}",
                   flush=True)
-        self.model = DDP(model)
+        self.module = model  # what the checkpoint holds, compiled or not
+        self.model = DDP(torch.compile(model) if args.compile else model)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3)
 
     def epoch(self, epoch: int) -> None:
@@ -71,7 +74,7 @@ class Trainer:
 
     def save(self, epoch: int) -> None:
         tmp = self.path.with_suffix(".tmp")
-        torch.save({"model": self.model.module.state_dict(), "epochs_run": epoch}, tmp)
+        torch.save({"model": self.module.state_dict(), "epochs_run": epoch}, tmp)
         os.replace(tmp, self.path)
         print(f"[rank 0] epoch {epoch} saved to {self.path}", flush=True)
 

@@ -3,18 +3,32 @@
 Scripts written for their stack, not for the launcher: a Hugging Face Trainer script
 (examples/hf_trainer.py, unchanged and then with ft_agent's callback), a Lightning
 ``Trainer.fit`` with ft_agent.lightning's callback (examples/train_lightning.py), and a
-torchrun DDP script that imports ft_agent only behind a flag it is not given. The kill is
-the launcher's own ``--ft-simulated-fault``. Two CPU ranks on gloo; the packages are the
-test extras' (transformers, accelerate, lightning).
+torchrun DDP script that imports ft_agent only behind a flag it is not given, eager and
+under torch.compile. The kill is the launcher's own ``--ft-simulated-fault``, except for the
+compiled script, which the test kills once the zygote learned the compiler. Two CPU ranks
+on gloo; the packages are the test extras' (transformers, accelerate, lightning).
 """
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import subprocess
 from pathlib import Path
 
 import pytest
-from launch_helpers import EXAMPLES, events, named, run_launcher, summary
+from launch_helpers import (
+    EXAMPLES,
+    ROOT,
+    events,
+    finish,
+    launcher_cmd,
+    named,
+    run_launcher,
+    summary,
+    wait_for,
+)
 from test_lightning import FAST_STOP, one, steps_logged
 from test_lightning import TRAIN as LIGHTNING_SCRIPT
 from torch_support import skip_below_torch_2_6
@@ -134,3 +148,37 @@ def test_torchrun_script_with_ft_agent_behind_a_flag_is_killed_on_time(run_dir: 
     found = re.search(r"resuming from the checkpoint at epoch (\d+)", log)
     assert found and int(found.group(1)) > 0, log[-3000:]
     assert "trained 16 epochs" in log and "trained 16 epochs" in rank_log(run_dir, 1, 1)
+
+
+@pytest.mark.timeout(480)  # a first compile on a busy machine: a minute or more
+def test_a_compiled_torchrun_script_is_learned_killed_and_recovers(run_dir: Path):
+    """The same torchrun script with its model under torch.compile (inductor, C++ kernels
+    on CPU), the defaults otherwise. Rank 1 is SIGKILLed once the zygote learned what its
+    workers imported for the compiler and did the compiler's first-use work (the CPU's
+    vector instruction sets, the hash of torch's sources) and a checkpoint exists: the
+    restart's workers are forks of that zygote, compile again from the compiler's caches,
+    resume from the checkpoint and train to the end."""
+    proc = subprocess.Popen(launcher_cmd(run_dir, *TWO_RANKS, DDP_SCRIPT, "--compile",
+                                         "--epochs", "60"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=ROOT)
+    try:
+        learned = wait_for(lambda: [e for e in named(events(run_dir), "preload_learned")
+                                    if e["warmed"]], 150, "the compiler learned")[0]
+        wait_for((run_dir / "ddp_checkpoint.pt").exists, 150, "the first checkpoint")
+        victim = one(events(run_dir), "workers_started", cycle=0)["pids"][1]
+        os.kill(victim, signal.SIGKILL)
+        out = finish(proc, 150)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out[-4000:]
+    assert learned["warmed"] == ["torch_key", "vector_isas"]
+    assert "torch" in learned["modules"] and learned["count"] > 100
+    assert one(events(run_dir), "worker_exited", cycle=0, rank=1)["signal"] == "SIGKILL"
+    s = summary(run_dir)
+    assert (s["exit_code"], s["restarts"], s["cycles"]) == (0, 1, 2)
+    assert one(events(run_dir), "workers_started", cycle=1)["warm"] == [True, True]
+    log = rank_log(run_dir, 1, 0)
+    found = re.search(r"resuming from the checkpoint at epoch (\d+)", log)
+    assert found and int(found.group(1)) > 0, log[-3000:]
+    assert "trained 60 epochs" in log and "trained 60 epochs" in rank_log(run_dir, 1, 1)

@@ -15,7 +15,12 @@ import os
 import sys
 import time
 
-RECORD_AT_S = (3.0, 10.0, 30.0, 90.0)  # after activation: the script's imports settle early
+from ft_launcher.warm.worker_side import warmups
+
+# After activation: the script's imports settle early. The first look catches the compiler,
+# which a script's torch.compile() imports within its first second or so: a fault soon
+# after the first step then finds it learned.
+RECORD_AT_S = (1.0, 3.0, 10.0, 30.0, 90.0)
 FILE_PREFIX = "learned_"
 MAX_NAMES = 5000  # the launcher reads no more than this either
 # Set per rank by the launcher: a module that reads one of these at import would keep the
@@ -63,15 +68,19 @@ def _origins(module: object, real: dict[str, str]) -> list[str] | None:
 def candidates(modules: dict[str, object], baseline: set[str], project: list[str],
                installed: list[str]) -> list[str]:
     """The modules imported since activation that a zygote may import for the next worker,
-    in import order: importable by name (a spec), not private (a leading underscore),
-    not ``__main__``, not this launcher, and not the user's own code (a file under a
-    ``project`` directory that is not under an ``installed`` one: a restart must run the
-    code as it is then)."""
+    in import order: importable by name (a spec, and for a dotted name its package loaded:
+    torch's compiler loads each compiled kernel as a module ``<hash>.kernel`` of no
+    package), not private (a leading underscore), not ``__main__``, not this launcher, and
+    not the user's own code (a file under a ``project`` directory that is not under an
+    ``installed`` one: a restart must run the code as it is then)."""
     found: list[str] = []
     real: dict[str, str] = {}
     for name, module in modules.items():
         if name in baseline or not valid_name(name) or name.startswith("_") \
                 or name.split(".")[0] == "ft_launcher":
+            continue
+        package = name.rpartition(".")[0]
+        if package and package not in modules:  # not imported by name (see the docstring)
             continue
         origins = _origins(module, real)
         if origins is None or any(_under(p, project) and not _under(p, installed)
@@ -168,10 +177,25 @@ def _importing_module() -> str:
     return "?"
 
 
+# Where ``__getitem__`` is called from when the whole environment is walked rather than a
+# variable named: ``items()`` and ``values()`` (their views' ``__iter__``, in the module
+# ``_collections_abc``, which names itself ``collections.abc``) and ``copy()``.
+_WALKS = frozenset({("collections.abc", "__iter__"), ("os", "copy")})
+
+
+def _walking() -> bool:
+    """Whether ``__getitem__`` (the caller) was called by a walk of the whole mapping."""
+    frame = sys._getframe(2)
+    return (frame.f_globals.get("__name__"), frame.f_code.co_name) in _WALKS
+
+
 class _EnvWatch:
-    """While active, notes the first rank variable a module reads through ``os.environ``
-    (``os.getenv``, ``.get``, ``in`` and ``[]`` all end in ``__getitem__``), and which module
-    read it. Reads from C (``getenv``) are not seen."""
+    """While active, notes the first rank variable a module reads by name through
+    ``os.environ`` (``os.getenv``, ``.get``, ``in`` and ``[]`` all end in ``__getitem__``),
+    and which module read it. A walk over every variable is not such a read: networkx picks
+    its ``NETWORKX_*`` settings from ``os.environ.items()`` at import, and torch's compiler
+    imports networkx. Reads from C (``getenv``) are not seen, nor what a module keeps of a
+    walk."""
 
     def __init__(self) -> None:
         self.read: str | None = None
@@ -180,7 +204,8 @@ class _EnvWatch:
 
         def __getitem__(environ, key):  # noqa: N807
             if watch.read is None and isinstance(key, str) and key not in SHARED_VARIABLES \
-                    and (key in RANK_VARIABLES or key.startswith(RANK_PREFIXES)):
+                    and (key in RANK_VARIABLES or key.startswith(RANK_PREFIXES)) \
+                    and not _walking():
                 watch.read = f"{_importing_module()} reads {key} at import"
             return watch.cls.__getitem__(environ, key)
 
@@ -203,13 +228,15 @@ def import_one(name: str) -> str | None:
     return None
 
 
-def learn(names: list[str], forget: set[str], unsafe, say) -> tuple[int, set[str],
-                                                                    tuple[str, str] | None]:
-    """Import ``names`` in order (those not loaded yet), calling ``say(name)`` before each.
+def learn(names: list[str], forget: set[str], unsafe, say
+          ) -> tuple[int, set[str], tuple[str, str] | None, list[str]]:
+    """Import ``names`` in order (those not loaded yet), calling ``say(name)`` before each,
+    then run torch's compiler's warm-ups when it is among them (``warmups.run``).
 
     Returns how many were imported, the zygote's own modules still to forget in workers,
-    and ``(name, reason)`` for the first that failed, made forking unsafe (``unsafe()``) or
-    read a rank variable: the process is then spoilt and must not become the zygote.
+    ``(name, reason)`` for the first that failed, made forking unsafe (``unsafe()``) or
+    read a rank variable (the process is then spoilt and must not become the zygote; a
+    warm-up's is the compiler's), and the warm-ups that ran.
 
     The zygote's own modules (``forget``) leave ``sys.modules`` meanwhile: one that a
     learned module imports is the workers' from then on. The collector is off: a full
@@ -221,23 +248,33 @@ def learn(names: list[str], forget: set[str], unsafe, say) -> tuple[int, set[str
     saved = {m: sys.modules.pop(m) for m in own if m in sys.modules}
     was_enabled = gc.isenabled()
     gc.disable()
-    imported, refused = 0, None
+    imported, refused, warmed = 0, None, []
     try:
-        for name in names:
-            if name in sys.modules:
-                continue
-            say(name)
-            with _EnvWatch() as watch:
-                failure = import_one(name)
-            reason = failure or watch.read or unsafe()
-            if reason is not None:
-                refused = (name, reason)
-                break
-            imported += 1
+        imported, refused = _import_all(names, unsafe, say)
+        if refused is None:
+            warmed, spoilt = warmups.run(names, unsafe)
+            if spoilt is not None:
+                refused = (warmups.COMPILER, f"its warm-up {spoilt[0]}: {spoilt[1]}")
     finally:
         if was_enabled:
             gc.enable()
     still = {m for m in saved if m not in sys.modules}
     for m in still:
         sys.modules[m] = saved[m]
-    return imported, still, refused
+    return imported, still, refused, warmed
+
+
+def _import_all(names: list[str], unsafe, say) -> tuple[int, tuple[str, str] | None]:
+    """Import each of ``names`` not loaded yet; the count, and the first refused."""
+    imported = 0
+    for name in names:
+        if name in sys.modules:
+            continue
+        say(name)
+        with _EnvWatch() as watch:
+            failure = import_one(name)
+        reason = failure or watch.read or unsafe()
+        if reason is not None:
+            return imported, (name, reason)
+        imported += 1
+    return imported, None

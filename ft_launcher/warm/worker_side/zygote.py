@@ -33,8 +33,10 @@ each standby's worker records the installed modules its script imported there
 (``learning.Recorder``). The launcher reads and checks those names and sends
 ``learn`` with two descriptors: a new control socket and a file of names. The zygote forks
 a learner (adopted by the launcher like a standby) that says ``pid PID``, imports the names
-at normal priority, saying ``importing NAME`` before each, and then either
-``learned COUNT IMPORT_S CPU_S`` and serves the new socket as the next zygote, or
+at normal priority, saying ``importing NAME`` before each, does torch's compiler's
+first-use work for what it imported (``warmups.py``), and then either
+``learned COUNT IMPORT_S CPU_S WARMED`` (WARMED: the warm-ups that ran, comma-separated,
+or ``-``) and serves the new socket as the next zygote, or
 ``refused NAME REASON`` and exits. The zygote itself imports nothing it was not started
 with, so a module that starts a thread, initialises CUDA, fails or hangs spoils only the
 learner: the zygote goes on forking, and the launcher tries again without that module.
@@ -52,7 +54,7 @@ import os
 import sys
 import time
 
-from ft_launcher.warm.worker_side import activation, learning
+from ft_launcher.warm.worker_side import activation, learning, warmups
 
 EXIT_UNSAFE = 4
 _PR_SET_PDEATHSIG = 1
@@ -235,7 +237,7 @@ def _learn(zygote: _State, fds: list[int]) -> None:
     os.close(fds[1])
     _send(ctl, f"pid {os.getpid()}")
     started, cpu = time.monotonic(), time.process_time()
-    imported, forget, refused = learning.learn(
+    imported, forget, refused, warmed = learning.learn(
         names, zygote.forget, lambda: unsafe_reason("its import", "the learner"),
         lambda name: _send(ctl, f"importing {name}"))
     if refused is not None:
@@ -244,7 +246,7 @@ def _learn(zygote: _State, fds: list[int]) -> None:
         sys.stderr.flush()
         os._exit(0)
     _send(ctl, f"learned {imported} {time.monotonic() - started:.3f} "
-               f"{time.process_time() - cpu:.3f}")
+               f"{time.process_time() - cpu:.3f} {','.join(warmed) or '-'}")
     zygote.ctl, zygote.forget = ctl, forget
 
 
@@ -278,7 +280,10 @@ def main() -> None:
     if priority == "idle":
         _set_policy("SCHED_IDLE")  # the launcher raises it once the cycle trains
     sys.path[0] = path0
-    failure = activation.import_preloads([m for m in preload.split(",") if m])
+    preloads = [m for m in preload.split(",") if m]
+    failure = activation.import_preloads(preloads)
+    if failure is None:  # what they import stays, as the preloads' own imports do
+        warmups.run(preloads, lambda: None)  # a thread left is found out below
     preloaded = set(sys.modules)
     import _socket  # noqa: PLC0415 - after the preloads, so the standbys can forget them
     import ctypes  # noqa: F401, PLC0415 - for the standbys' prctl, imported once here
