@@ -8,12 +8,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ft_launcher.nodes.records import RecordError, Verdict
+from ft_launcher.hang.liveness import HangVerdict
 from ft_launcher.nodes.rendezvous import RendezvousLost
 from ft_launcher.policy import CycleResult, Outcome
 from ft_launcher.process.worker_env import EnvDoc
 
 if TYPE_CHECKING:
+    from ft_launcher.nodes.records import Verdict
     from ft_launcher.nodes.rendezvous import RoundInfo
     from ft_launcher.ports import GroupPort, RendezvousPort
 
@@ -110,12 +111,15 @@ class PeerWatch:
 
     @staticmethod
     def is_peer(named: Any) -> bool:
-        """A hang response named another node's rank (``nodes.records.Verdict``)."""
-        return isinstance(named, Verdict)
+        """A hang response named another node's rank (a ``nodes.records.Verdict``), not
+        one of this node's (a ``HangVerdict``)."""
+        return not isinstance(named, HangVerdict)
 
     def peer_hang(self, fields: dict[str, Any]) -> CycleResult:
         """Another node's hang verdict reached this node (the next round's notice): this
         node's stacks, its answer, no kill; the cycle ends for the new round."""
+        from ft_launcher.nodes.records import RecordError, Verdict
+
         try:
             verdict = Verdict.from_dict(fields)
         except RecordError:  # checked when decoded; a bad one still ends the round

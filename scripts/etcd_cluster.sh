@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# A 3-member etcd cluster on loopback with the v2 API enabled, for ft_launcher's
-# --rdzv-backend etcd-v2 (torch's etcd rendezvous speaks the v2 API only).
+# A 3-member etcd cluster on loopback, for ft_launcher's --rdzv-backend etcd (etcd v3
+# through the JSON gateway every member serves at /v3/, checked at start) and etcd-v2
+# (torch's etcd rendezvous speaks the v2 API only: enabled on etcd before 3.6, which
+# removed it).
 #
 #   scripts/etcd_cluster.sh start [DIR]   start 3 members, wait for a leader, print endpoints
 #   scripts/etcd_cluster.sh stop DIR      stop every member by the pid it wrote
@@ -29,17 +31,45 @@ ports() {  # ports NAME DEFAULT_OFFSET -> three ports
     echo "${out[@]}"
 }
 
-healthy() {  # healthy PORT: the member answers /health with a leader elected
-    local body
+http() {  # http PORT PATH [BODY]: a GET, or a POST of BODY; prints the answer's body
+    local port=$1 path=$2 body=${3:-}
     if command -v curl >/dev/null; then
-        body=$(curl -fsS --max-time 1 "http://$HOST:$1/health" 2>/dev/null) || return 1
+        if [[ -n $body ]]; then
+            curl -fsS --max-time 1 -X POST -d "$body" "http://$HOST:$port$path" 2>/dev/null
+        else
+            curl -fsS --max-time 1 "http://$HOST:$port$path" 2>/dev/null
+        fi
+    elif [[ -n $body ]]; then
+        timeout 1 bash -c "exec 3<>/dev/tcp/$HOST/$port; printf 'POST $path HTTP/1.0\r\nContent-Length: ${#body}\r\n\r\n%s' '$body' >&3; cat <&3" 2>/dev/null
     else
-        body=$(timeout 1 bash -c "exec 3<>/dev/tcp/$HOST/$1; printf 'GET /health HTTP/1.0\r\n\r\n' >&3; cat <&3" 2>/dev/null) || return 1
+        timeout 1 bash -c "exec 3<>/dev/tcp/$HOST/$port; printf 'GET $path HTTP/1.0\r\n\r\n' >&3; cat <&3" 2>/dev/null
     fi
-    [[ $body == *'"health":"true"'* ]]
 }
 
-alive() { [[ -f $1 ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
+healthy() {  # healthy PORT: a leader is elected and the v3 gateway answers
+    local body
+    body=$(http "$1" /health) || return 1
+    [[ $body == *'"health":"true"'* ]] || return 1
+    body=$(http "$1" /v3/maintenance/status '{}') || return 1
+    [[ $body == *'"leader":"'* ]]
+}
+
+v2_flag() {  # --enable-v2=true where this etcd still has the v2 API (before 3.6)
+    local version major minor
+    version=$(etcd --version 2>/dev/null | sed -n 's/^etcd Version: *//p')
+    IFS=. read -r major minor _ <<<"$version"
+    if [[ $major =~ ^[0-9]+$ && $minor =~ ^[0-9]+$ ]] && ((major == 3 && minor < 6)); then
+        echo --enable-v2=true
+    fi
+}
+
+alive() { [[ -f $1 ]] && running "$(cat "$1")"; }
+
+running() {  # running PID: the process exists and is not a zombie waiting for its reaper
+    local state
+    state=$(awk '{print $3}' "/proc/$1/stat" 2>/dev/null) || return 1
+    [[ -n $state && $state != Z ]]
+}
 
 start() {
     local dir=${1:-}
@@ -54,17 +84,18 @@ start() {
         cluster+="${cluster:+,}m$i=http://$HOST:${peer[$i]}"
         endpoints+="${endpoints:+,}$HOST:${client[$i]}"
     done
-    local token="ft-$$-$RANDOM"
+    local token="ft-$$-$RANDOM" v2
+    v2=$(v2_flag)
     for i in $(seq 0 $((MEMBERS - 1))); do
         alive "$dir/m$i.pid" && die "member m$i already runs (pid $(cat "$dir/m$i.pid"))"
-        # shellcheck disable=SC2086  # ETCD_EXTRA_ARGS is a list of words
+        # shellcheck disable=SC2086  # $v2 and ETCD_EXTRA_ARGS are lists of words
         setsid etcd --name "m$i" --data-dir "$dir/m$i.etcd" \
             --listen-client-urls "http://$HOST:${client[$i]}" \
             --advertise-client-urls "http://$HOST:${client[$i]}" \
             --listen-peer-urls "http://$HOST:${peer[$i]}" \
             --initial-advertise-peer-urls "http://$HOST:${peer[$i]}" \
             --initial-cluster "$cluster" --initial-cluster-token "$token" \
-            --initial-cluster-state new --enable-v2=true ${ETCD_EXTRA_ARGS:-} \
+            --initial-cluster-state new $v2 ${ETCD_EXTRA_ARGS:-} \
             >"$dir/m$i.log" 2>&1 </dev/null &
         echo $! >"$dir/m$i.pid"
         echo "$HOST:${client[$i]}" >"$dir/m$i.endpoint"
@@ -88,20 +119,44 @@ start() {
     echo "endpoints=$endpoints"
 }
 
-stop() {
-    local dir=${1:-} i pid
+stop() {  # the followers, then the leader: a leader stopped beside its followers hands its
+    # leadership to one of them, which then waits seconds for a quorum that is gone.
+    local dir=${1:-} i pid leader=""
+    local -a followers=() names=()
     [[ -n $dir && -d $dir ]] || die "stop: give the cluster's DIR"
     for i in $(seq 0 $((MEMBERS - 1))); do
         [[ -f $dir/m$i.pid ]] || continue
         pid=$(cat "$dir/m$i.pid")
         # Only an etcd process: a stale pid file must not kill whatever reuses the pid.
-        if kill -0 "$pid" 2>/dev/null && [[ $(cat "/proc/$pid/comm" 2>/dev/null) == etcd ]]; then
-            kill "$pid"
-            for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-            kill -0 "$pid" 2>/dev/null && kill -9 "$pid"
+        if running "$pid" && [[ $(cat "/proc/$pid/comm" 2>/dev/null) == etcd ]]; then
+            if [[ -z $leader ]] && is_leader "$(cat "$dir/m$i.endpoint")"; then
+                leader=$pid
+            else
+                followers+=("$pid")
+            fi
         fi
-        rm -f "$dir/m$i.pid"
-        echo "stopped m$i (pid $pid)"
+        names+=("m$i (pid $pid)")
+    done
+    terminate ${followers[@]+"${followers[@]}"}
+    terminate ${leader:+"$leader"}
+    for i in $(seq 0 $((MEMBERS - 1))); do rm -f "$dir/m$i.pid"; done
+    for i in "${names[@]}"; do echo "stopped $i"; done
+}
+
+is_leader() {  # is_leader HOST:PORT: the member's own status names it the leader
+    local body id
+    body=$(http "${1##*:}" /v3/maintenance/status '{}') || return 1
+    id=$(sed -n 's/.*"member_id":"\([0-9]*\)".*/\1/p' <<<"$body")
+    [[ -n $id && $body == *"\"leader\":\"$id\""* ]]
+}
+
+terminate() {  # terminate PID...: SIGTERM them all, SIGKILL what still runs after 5 s
+    local pid
+    (($#)) || return 0
+    kill "$@" 2>/dev/null || true
+    for pid in "$@"; do
+        for _ in $(seq 50); do running "$pid" || break; sleep 0.1; done
+        if running "$pid"; then kill -9 "$pid"; fi
     done
 }
 

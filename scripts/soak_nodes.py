@@ -1,7 +1,8 @@
 """The snapshot soak on two launchers on loopback, with a spare: node faults as well as
 rank faults (``snapshot_soak.py --nodes 2``).
 
-The c10d store lives in its own process (``scripts/slurm/rdzv_store.py``, every launcher
+The c10d store and the coordinator live in their own process
+(``scripts/slurm/rdzv_store.py``, every launcher
 ``is_host=false``), so any launcher can be lost without ending the job. Two launchers form
 the world (``--nnodes 2:2``, one rank each) and a third waits as a hot spare; every rank
 snapshots after each step and each launcher pushes its rank's copy to the other node
@@ -130,8 +131,8 @@ class NodeCluster:
     def start(self) -> None:
         ready = self.base / "store.ready"
         self.base.mkdir(parents=True, exist_ok=True)
-        self.store = subprocess.Popen([sys.executable, str(STORE), str(self.port), str(ready)],
-                                      start_new_session=True)
+        self.store = subprocess.Popen([sys.executable, str(STORE), str(self.port), str(ready),
+                                       "2:2", self.run_id], start_new_session=True)
         deadline = time.monotonic() + 60
         while not ready.exists():
             if self.store.poll() is not None or time.monotonic() > deadline:

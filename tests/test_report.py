@@ -153,3 +153,22 @@ def test_malformed_lines_do_not_break_the_report(tmp_path: Path, junk: str):
     res = report(str(run), "--json")
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["ledger"]["attempts"][0]["restarts"] == 1
+
+
+def test_each_node_says_which_rank_on_which_node_was_named_and_why(tmp_path: Path):
+    judged, answered = Stream(), Stream()
+    judged.at(0, "launcher_started").at(0.1, "rendezvous_done").at(0.2, "workers_started",
+                                                                    ranks=[0, 1])
+    judged.at(6, "hang_detected", rank=1, timeout_kind="heartbeat", silence_s=4.1,
+              blame="stopped", host="node-a", detected_at=T0 + 6)
+    judged.at(6.3, "decision", outcome="hung")
+    answered.at(0, "launcher_started").at(0.1, "rendezvous_done").at(0.2, "workers_started",
+                                                                     ranks=[2, 3])
+    answered.at(6.1, "peer_verdict", rank=1, node="node-a-77-ab12", host="node-a",
+                group_rank=0, blame="stopped", timeout_kind="heartbeat", silence_s=4.1)
+    answered.at(6.2, "decision", outcome="peer_changed")
+    a = report(str(write_run(tmp_path / "a", judged))).stdout
+    b = report(str(write_run(tmp_path / "b", answered))).stdout
+    assert "hang rank 1 on node-a (heartbeat, 4.1 s silent, blame stopped)" in a
+    assert ("hang rank 1 on node node-a-77-ab12 on node-a (stopped): named by that node; "
+            "this node's stacks dumped, none of its ranks killed") in b

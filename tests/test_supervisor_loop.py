@@ -11,9 +11,10 @@ these prove the order of the checks and what each path records.
 
 from __future__ import annotations
 
+import json
 import signal
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ import pytest
 from ft_launcher.config import FaultToleranceConfig, LaunchConfig
 from ft_launcher.hang import response as hang
 from ft_launcher.hang.liveness import HangVerdict
+from ft_launcher.nodes.records import Verdict
 from ft_launcher.nodes.rendezvous import RoundInfo, RoundView, Standing
 from ft_launcher.policy import CycleResult
 from ft_launcher.process.workers import Worker, WorkerSpec
@@ -448,6 +450,89 @@ def test_a_hang_is_answered_with_stacks_blame_and_a_kill_of_the_culprit(tmp_path
     assert only(events, "decision")[0]["outcome"] == "hung"
     # The loop woke at the deadline, not a poll interval later.
     assert h.clock.now - h.start == pytest.approx(2.0)
+
+
+class FakeVerdicts:
+    """The round's shared verdict (``nodes.verdicts.VerdictChannel``'s shape): ``decide``
+    returns ``winner`` (None: this node's own claim), and every call is logged."""
+
+    nodes = 2
+
+    def __init__(self, log: list[Any], winner: Verdict | None = None,
+                 on_decide: Callable[[], Any] = lambda: None) -> None:
+        self.log, self.winner, self.on_decide = log, winner, on_decide
+
+    def claim(self, rank: int, blame: str, timeout_kind: str, silence_s: float) -> Verdict:
+        return Verdict(rank, "me", "here", 0, blame, timeout_kind, silence_s)
+
+    def decide(self, claim: Verdict) -> Verdict:
+        self.log.append(("decide", claim.rank, claim.blame))
+        self.on_decide()
+        return self.winner or claim
+
+    def announce(self, verdict: Verdict) -> None:
+        self.log.append(("announce", verdict.rank))
+
+    def await_answers(self) -> int:
+        self.log.append(("answers",))
+        return 1
+
+    def answer(self) -> None:
+        self.log.append(("answer",))
+
+
+OTHERS = Verdict(3, "peer-node", "elsewhere", 1, "stopped", "heartbeat", 4.0)
+
+
+def test_with_several_nodes_the_culprits_node_tells_the_others_before_it_kills(tmp_path):
+    h = Harness(tmp_path)
+    h.rdzv.verdicts = FakeVerdicts(h.log)
+    h.monitor.verdict = HangVerdict(1, 1, "heartbeat", 2.0, 2.5)
+    h.monitor.verdict_at = h.start + 2.0
+    h.monitor.silent = {1: 2.5}
+    code, events = h.run()
+    steps = [e for e in h.log if e[0] in ("decide", "announce", "answers", "killpg")]
+    assert steps == [("decide", 1, "oldest_activity"), ("announce", 1), ("answers",),
+                     ("killpg", 1, signal.SIGCONT), ("killpg", 1, signal.SIGKILL)]
+    assert only(events, "rank_killed")[0]["peers_answered"] == 1
+    assert only(events, "decision")[0]["outcome"] == "hung"
+
+
+def test_another_nodes_stronger_verdict_kills_nothing_here(tmp_path):
+    h = Harness(tmp_path, max_restarts=0)
+    # The new round trains on: this node's monitor judges nobody again.
+    h.rdzv.verdicts = FakeVerdicts(h.log, winner=OTHERS, on_decide=lambda: (
+        setattr(h.monitor, "verdict", None), setattr(h.monitor, "verdict_at", None)))
+    h.monitor.verdict = HangVerdict(0, 0, "heartbeat", 2.0, 2.5)
+    h.monitor.verdict_at = h.start + 2.0
+    h.monitor.silent = {0: 2.5, 1: 2.4}
+    h.at(3.0, lambda: (h.group.exit(0, 0), h.group.exit(1, 0)) if len(h.groups) == 2
+         else None)
+    code, events = h.run()
+    assert code == 0  # the restart for the new round is not counted against --max-restarts
+    assert names(events, "hang_detected", "rank_killed") == []
+    peer = only(events, "peer_verdict")[0]
+    assert (peer["rank"], peer["host"], peer["blame"]) == (3, "elsewhere", "stopped")
+    assert ("answer",) in h.log and not [e for e in h.log if e[0] == "killpg" and e[2] ==
+                                         signal.SIGKILL]
+    assert [e["outcome"] for e in only(events, "decision")] == ["peer_changed", "succeeded"]
+    faults = json.loads((tmp_path / "run" / "summary.json").read_text())["faults"]
+    assert [(f["kind"], f["host"], f["rank"]) for f in faults] == [
+        ("peer_hang", "elsewhere", 3)]
+
+
+def test_a_verdict_that_reaches_this_node_through_the_round_is_answered(tmp_path):
+    h = Harness(tmp_path)
+    h.rdzv.polls_peers = True
+    h.rdzv.verdicts = FakeVerdicts(h.log)
+    h.at(1.0, lambda: h.rdzv.views.append(RoundView(why="hang", verdict=asdict(OTHERS))))
+    h.at(3.0, lambda: (h.group.exit(0, 0), h.group.exit(1, 0)) if len(h.groups) == 2
+         else None)
+    code, events = h.run()
+    assert code == 0
+    assert names(events, "stacks_dumped", "peer_verdict", "decision")[:3] == [
+        "stacks_dumped", "peer_verdict", "decision"]
+    assert ("answer",) in h.log and names(events, "rank_killed") == []
 
 
 def test_a_control_message_ends_the_cycle_before_an_exit_in_the_same_pass(tmp_path):

@@ -15,14 +15,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ft_launcher.hang import blame, nccl_trace, stacks
 from ft_launcher.hang.liveness import HangVerdict
-from ft_launcher.nodes.records import Verdict
 from ft_launcher.process.workers import Worker, WorkerGroup
 
 log = logging.getLogger("ft_launcher")
+
+if TYPE_CHECKING:  # several nodes only: one node imports none of the rendezvous
+    from ft_launcher.nodes.records import Verdict
 
 
 class HangFacts(Protocol):

@@ -6,8 +6,10 @@ With the c10d backend the coordinator is the launcher that hosts the store (its 
 store's loss anyway); with etcd it is the launcher elected through etcd, and the round's
 store is a c10d store it hosts. Its reads, per look: the next round's notice (a push: it
 waits on the key), the new tickets while a round is collected (one counter read and one
-``multi_get``), and the keep-alive counters of the round's nodes (one ``multi_get``). Its
-cost does not grow with the number of nodes in requests, only in the size of two reads.
+``multi_get``), and the keep-alive counters of the round's nodes (one ``multi_get``). It
+looks every ``poll_interval``: a counter's change is then dated to within that, so a node
+is dropped within the keep-alive expiry plus one look of its last keep-alive. Its cost
+does not grow with the number of nodes in requests, only in the size of two reads.
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ class CoordinatorLoop:
             self._stop.wait(self.poll_interval)
             next_open = read_notice(self.kv, core.round + 1)
         else:  # pushed by the store when someone opens the next round
-            data = self.kv.wait(Keys.open(core.round + 1), self.interval)
+            data = self.kv.wait(Keys.open(core.round + 1), self.poll_interval)
             next_open = read_notice(self.kv, core.round + 1) if data is not None else None
         joins = self.read_joins() if core.collecting and next_open is None else ()
         counters = self.read_counters(core.watched())

@@ -26,6 +26,7 @@ from ft_launcher.nodes.records import (
     LEFT,
     REJOIN,
     STORE_LOST,
+    TAKEOVER,
     WAITING,
     Keys,
     LostNode,
@@ -80,12 +81,21 @@ class RoundRendezvous:
         self.local_addr, self.host = local_addr, host
         self.events = events
         self.me = NodeInfo(me or node_id(host), local_addr, host)
-        self.kv = place.main  # the main thread's client of the round's store
-        self.pulse = place.pulse(self.me.node)
+        place.start_pulse(self.me.node)
         self.round: int | None = None  # the round this node is in (or last was)
+        self._epoch = place.epoch  # the coordinator of that round (etcd elects new ones)
         self.membership: Membership | None = None
         self._was_dropped = False
-        self._services_store: Any = None
+        self._spare_since: float | None = None  # next_round(): waiting as a spare since
+
+    @property
+    def kv(self) -> Any:
+        """The main thread's client of the round's store (the coordinator's)."""
+        return self.place.main
+
+    @property
+    def pulse(self) -> Any:
+        return self.place.pulse
 
     # -- the port's facts ----------------------------------------------------------------
 
@@ -128,23 +138,26 @@ class RoundRendezvous:
     def next_round(self) -> RoundInfo:
         """Join the next round (blocks): a node that finds the round full waits as a hot
         spare (``spare_waiting``) until a node is lost (``spare_admitted``)."""
-        self.pulse.watch(None)
-        previous = self.membership
-        try:
-            g = self._first_round() if self.round is None else self._leave_round(self.round)
-            membership, g, spare_since = self._join_from(g)
-            rnd = self._start_round(membership, g)
-        except StoreUnreachable as exc:
-            raise self._lost(exc) from None
+        previous, self._spare_since = self.membership, None
+        while True:
+            try:
+                self.place.refresh()
+                self.pulse.watch(None)
+                fresh = self.round is None or self._epoch != self.place.epoch
+                g = self.place.latest_round() if fresh else self._leave_round(self.round)
+                membership, g = self._join_from(g)
+                rnd = self._start_round(membership, g)
+                break
+            except StoreUnreachable as exc:
+                if not self.place.coordinator_replaceable:
+                    raise self._lost(exc) from None
+                self.place.reconnect(exc)  # RendezvousLost when the job's store is gone
         rnd.left = gone(previous, membership)
-        if spare_since is not None:
-            rnd.spare_wait_s = round(time.monotonic() - spare_since, 3)
+        if self._spare_since is not None:
+            rnd.spare_wait_s = round(time.monotonic() - self._spare_since, 3)
             self._emit("spare_admitted", waited_s=rnd.spare_wait_s, round=g,
                        group_rank=rnd.group_rank, group_world_size=rnd.group_world_size)
         return rnd
-
-    def _first_round(self) -> int:
-        return self.place.latest_round()
 
     def _leave_round(self, g: int) -> int:
         """This node leaves round ``g`` to re-join: the next round opens (unless someone
@@ -152,54 +165,57 @@ class RoundRendezvous:
         self.open_next(REJOIN)
         return g + 1
 
-    def open_next(self, why: str, lost: tuple[LostNode, ...] = (),
-                  verdict: dict[str, Any] | None = None) -> Notice:
+    def open_next(self, why: str, lost: tuple[LostNode, ...] = ()) -> Notice:
         """Open the round after this node's (first writer wins); the notice that stands."""
-        g = (self.round or 0) + 1
-        notice = Notice(g, why, self.me.node, lost, verdict)
+        return self._open((self.round or 0) + 1, why, lost)
+
+    def _open(self, g: int, why: str, lost: tuple[LostNode, ...] = ()) -> Notice:
+        notice = Notice(g, why, self.me.node, lost)
         held = self.kv.create(Keys.open(g), notice.encode())
         try:
             return Notice.decode(held)
         except RecordError:
             return notice
 
-    def _join_from(self, g: int) -> tuple[Membership, int, float | None]:
-        """Rounds from ``g`` on until one has this node: (its membership, its number, when
-        this node began waiting as a spare)."""
+    def _join_from(self, g: int) -> tuple[Membership, int]:
+        """Rounds from ``g`` on until one has this node: (its membership, its number).
+        ``_spare_since`` says when this node began waiting as a spare."""
         deadline = time.monotonic() + self.timings.join_timeout
-        spare_since: float | None = None
         while True:
-            self._check_closed(spare_since)
+            self._check_closed()
             membership = self._read_members(g)
             if membership is None:
                 self._take_ticket(g)
-                membership = self._await_members(g, deadline, spare_since)
-            if membership.abandoned:
+                membership = self._await_members(g, deadline)
+            if membership.abandoned:  # the next round is open (unless the record was junk)
                 g += 1
+                self._open(g, REJOIN)
                 continue
             if membership.rank_of(self.me.node) is not None:
-                return membership, g, spare_since
+                return membership, g
             if len(membership.nodes) < self.max_nodes and not membership.is_spare(self.me.node):
-                self.round = g  # arrived while it runs with room: everyone restarts once
-                self.open_next(WAITING)
-                g += 1
+                g += 1  # arrived while it runs with room: everyone restarts once
+                self._open(g, WAITING)
                 continue
-            if spare_since is None:
-                spare_since = time.monotonic()
+            if self._spare_since is None:
+                self._spare_since = time.monotonic()
                 self._emit("spare_waiting", round=g, participants=len(membership.nodes),
                            max_nodes=self.max_nodes)
-            self._await_key(Keys.open(g + 1), None, spare_since)
+            self._await_key(Keys.open(g + 1), None)
             deadline = time.monotonic() + self.timings.join_timeout
             g += 1
 
-    def _check_closed(self, spare_since: float | None) -> None:
-        if self.place.closed():
+    def _check_closed(self) -> None:
+        end = self.place.end()
+        if end == STORE_LOST:
+            raise self._lost(StoreUnreachable("the coordinator lost the job's store"))
+        if end is not None:
             why = ("; this node was dropped from its round and not needed again"
                    if self._was_dropped else "; this spare was not needed"
-                   if spare_since is not None else "")
+                   if self._spare_since is not None else "")
             raise RendezvousClosed(f"the rendezvous at {self.place.endpoint} was closed by "
                                    f"the other nodes (the job is over){why}",
-                                   was_spare=spare_since is not None or self._was_dropped)
+                                   was_spare=self._spare_since is not None or self._was_dropped)
 
     def _read_members(self, g: int) -> Membership | None:
         data = self.kv.get(Keys.members(g))
@@ -216,11 +232,11 @@ class RoundRendezvous:
         ticket = self.kv.add(Keys.join_count(g), 1)
         self.kv.set(Keys.join(g, ticket), self.me.encode())
 
-    def _await_members(self, g: int, deadline: float, spare_since: float | None) -> Membership:
-        data = self._await_key(Keys.members(g), deadline, spare_since)
+    def _await_members(self, g: int, deadline: float) -> Membership:
+        data = self._await_key(Keys.members(g), deadline)
         return self._decode_members(g, data)
 
-    def _await_key(self, key: str, deadline: float | None, spare_since: float | None) -> bytes:
+    def _await_key(self, key: str, deadline: float | None) -> bytes:
         """Wait for ``key`` in slices (a signal's handler runs between them; the job may
         close meanwhile); RendezvousError at ``deadline``."""
         while True:
@@ -235,16 +251,20 @@ class RoundRendezvous:
             data = self.kv.wait(key, slice_s)
             if data is not None:
                 return data
-            self._check_closed(spare_since)
+            self._check_closed()
             self._check_pulse()
 
     def _check_pulse(self) -> None:
+        """The keep-alive has failed for the grace: the store is lost (c10d), or its
+        coordinator is (etcd: ``next_round`` finds the next one)."""
         state = self.pulse.state()
         if state.unreachable_s is not None and state.unreachable_s >= self.place.lost_grace_s:
-            raise self._lost(StoreUnreachable("the keep-alive gets no answer"))
+            raise StoreUnreachable(f"the keep-alive gets no answer for "
+                                   f"{state.unreachable_s:.1f} s")
 
     def _start_round(self, membership: Membership, g: int) -> RoundInfo:
         self.round, self.membership, self._was_dropped = g, membership, False
+        self._epoch = self.place.epoch
         self.pulse.watch(g)
         rank = membership.rank_of(self.me.node)
         assert rank is not None
@@ -268,12 +288,14 @@ class RoundRendezvous:
         has not answered for the grace."""
         state = self.pulse.state()
         if state.unreachable_s is not None and state.unreachable_s >= self.place.lost_grace_s:
-            if self.place.coordinator_replaceable:
-                return RoundView(waiting=1, why="the coordinator is gone")
+            if self.place.coordinator_replaceable:  # a new one is elected when it re-joins
+                return RoundView(waiting=1, why=TAKEOVER)
             raise self._lost(StoreUnreachable(f"no answer for {state.unreachable_s:.1f} s"))
         notice = state.notice
         if notice is None:
             return RoundView()
+        if notice.why == STORE_LOST:
+            raise self._lost(StoreUnreachable("the coordinator lost the job's store"))
         return view_of(notice, self.me.node, self.round or 0)
 
     def standing(self, stalled_s: float) -> Standing:
@@ -349,15 +371,12 @@ class RoundRendezvous:
                 self.open_next(LEFT, (LostNode(self.me.node, self.me.host, 0.0),))
         except (StoreUnreachable, RendezvousError) as exc:  # best effort at exit
             log.debug("rendezvous shutdown: %s", exc)
-        self.pulse.stop()
         self.place.close()
 
 
 def view_of(notice: Notice, node: str, g: int) -> RoundView:
     """What the next round's ``notice`` means for ``node`` of round ``g``."""
     lost = tuple(n.node for n in notice.lost if n.node != node)
-    if notice.why == STORE_LOST:
-        return RoundView(why=STORE_LOST)
     me = notice.dropped(node)
     dropped = out_reason(notice, node, g, 0.0, math.inf, 0.0) if me else None
     return RoundView(waiting=0 if notice.lost else 1, lost=lost, dropped=dropped,

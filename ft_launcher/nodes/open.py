@@ -28,7 +28,7 @@ def open_rendezvous(cfg: LaunchConfig, events: Callable[..., Any]) -> RoundRende
     local_addr = cfg.local_addr or reachable_address(
         cfg.rdzv_endpoint.split(",")[0].strip("[]"))
     try:
-        place = make_place(cfg, timings, dict(extra), me)
+        place = make_place(cfg, timings, dict(extra), me, local_addr)
     except StoreUnreachable as exc:
         raise RendezvousError(f"--rdzv-endpoint {cfg.rdzv_endpoint}: cannot reach the "
                               f"{cfg.rdzv_backend} store ({exc})") from None
@@ -37,12 +37,12 @@ def open_rendezvous(cfg: LaunchConfig, events: Callable[..., Any]) -> RoundRende
 
 
 def make_place(cfg: LaunchConfig, timings: RendezvousTimings, extra: dict[str, str],
-               me: str) -> Any:
+               me: str, local_addr: str) -> Any:
     if cfg.rdzv_backend == "etcd":
         from ft_launcher.nodes.etcd_place import EtcdPlace
 
         return EtcdPlace(cfg.rdzv_endpoint, cfg.rdzv_id, timings, cfg.min_nodes,
-                         cfg.max_nodes, extra, me)
+                         cfg.max_nodes, extra, me, local_addr)
     from ft_launcher.nodes.place import C10dPlace
 
     return C10dPlace(cfg.rdzv_endpoint, cfg.rdzv_id, timings, cfg.min_nodes, cfg.max_nodes,

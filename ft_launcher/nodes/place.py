@@ -19,15 +19,20 @@ from ft_launcher.config import ConfigError
 from ft_launcher.nodes.coordinator import CoordinatorLoop
 from ft_launcher.nodes.kv import C10dKV, StoreUnreachable, connect, host_store, local_addresses
 from ft_launcher.nodes.pulse import Pulse
-from ft_launcher.nodes.records import START, Keys, Notice
-from ft_launcher.nodes.rendezvous import RendezvousError, RendezvousTimings, parse_endpoints
+from ft_launcher.nodes.records import CLOSED, START, STORE_LOST, Keys, Notice
+from ft_launcher.nodes.rendezvous import (
+    RendezvousError,
+    RendezvousLost,
+    RendezvousTimings,
+    parse_endpoints,
+)
 from ft_launcher.nodes.rounds import CloseRule, CoordinatorCore, KeepAliveBook
 
 log = logging.getLogger("ft_launcher")
 
 C10D_DEFAULT_PORT = 29400  # torchrun's
 ROUND_KEY = "round"  # the latest round opened, for launchers that arrive later
-CLOSED_KEY = "closed"  # the job is over
+END_KEY = "end"  # the job is over: records.CLOSED, or records.STORE_LOST (etcd)
 
 
 def parse_bool(key: str, text: str) -> bool:
@@ -71,6 +76,7 @@ class C10dPlace:
     backend = "c10d"
     coordinator_replaceable = False
     lost_grace_s = 0.0  # a c10d client never reconnects: its first broken request is final
+    epoch = 0  # the coordinator never changes
 
     def __init__(self, endpoint: str, run_id: str, timings: RendezvousTimings,
                  min_nodes: int, max_nodes: int, extra: dict[str, str], me: str) -> None:
@@ -91,6 +97,7 @@ class C10dPlace:
                                   f"{self.port} is taken")
         self._clients: list[Any] = []
         self._services: Any = None
+        self.pulse: Pulse | None = None
         self.coordinator: CoordinatorLoop | None = None
         if self.server is not None:
             raise_file_limit()
@@ -113,14 +120,14 @@ class C10dPlace:
     def round_kv(self) -> C10dKV:
         return C10dKV(self.client())
 
-    def pulse(self, node: str) -> Pulse:
-        pulse = Pulse(self.round_kv(), node, self.timings.keep_alive_interval)
-        try:
-            pulse.start()
-        except StoreUnreachable as exc:
-            raise RendezvousError(f"--rdzv-endpoint {self.endpoint}: the store does not "
-                                  f"answer ({exc})") from None
-        return pulse
+    def start_pulse(self, node: str) -> None:
+        self.pulse = start_pulse(self.round_kv(), node, self.timings, self.endpoint)
+
+    def refresh(self) -> None:
+        pass  # the coordinator never changes
+
+    def reconnect(self, cause: BaseException) -> None:
+        raise RendezvousLost(self.backend, self.endpoint, cause)
 
     def _services_client(self) -> Any:
         if self._services is None:
@@ -146,19 +153,61 @@ class C10dPlace:
     def latest_round(self) -> int:
         return self._latest(self.main)
 
-    def closed(self) -> bool:
-        return self.main.get(CLOSED_KEY) is not None
+    def end(self) -> str | None:
+        return job_end(self.main)
 
     def close_job(self) -> None:
-        self.main.set(CLOSED_KEY, b"1")
+        self.main.set(END_KEY, CLOSED.encode())
 
     def close(self) -> None:
+        if self.pulse is not None:
+            self.pulse.stop()
         if self.coordinator is not None:
             self.coordinator.stop()
         self._clients.clear()
+
+
+def job_end(kv: C10dKV) -> str | None:
+    """How the job ended (``END_KEY``), None while it runs; junk reads as closed."""
+    data = kv.get(END_KEY)
+    if data is None:
+        return None
+    return STORE_LOST if data == STORE_LOST.encode() else CLOSED
+
+
+def start_pulse(kv: C10dKV, node: str, timings: RendezvousTimings, endpoint: str) -> Pulse:
+    pulse = Pulse(kv, node, timings.keep_alive_interval)
+    try:
+        pulse.start()
+    except StoreUnreachable as exc:
+        raise RendezvousError(f"--rdzv-endpoint {endpoint}: the store does not answer "
+                              f"({exc})") from None
+    return pulse
 
 
 def _seconds(s: float) -> Any:
     from datetime import timedelta
 
     return timedelta(seconds=s)
+
+
+def serve_store(port: int, run_id: str, min_nodes: int, max_nodes: int,
+                timings: RendezvousTimings | None = None) -> tuple[Any, CoordinatorLoop]:
+    """Host the job's c10d store on ``port`` outside any launcher (every launcher then
+    connects with ``is_host=false``), and coordinate its rounds from here: the store and
+    the coordinator live as long as this process, whichever launcher leaves. Raises
+    RendezvousError when the port is taken. Keep the returned objects alive."""
+    import torch.distributed as dist
+
+    timings = timings or RendezvousTimings()
+    server = host_store("0.0.0.0", port, timings.dead_after)
+    if server is None:
+        raise RendezvousError(f"cannot host the store on port {port}: it is taken")
+    raise_file_limit()
+    client = connect("127.0.0.1", port, timings.read_timeout or 60.0)
+    kv = C10dKV(dist.PrefixStore(f"ft_launcher/{run_id}", client))
+    first = C10dPlace._latest(kv)
+    loop = coordinator_for(timings, min_nodes, max_nodes, kv, first, START,
+                           f"coordinator-store-{port}",
+                           lambda g: kv.set(ROUND_KEY, str(g).encode()))
+    return server, loop

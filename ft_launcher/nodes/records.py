@@ -277,7 +277,7 @@ class Verdict:
         if not isinstance(d, dict):
             raise RecordError("verdict: not an object")
         blame, kind = d.get("blame"), d.get("timeout_kind")
-        if blame not in EVIDENCE:
+        if not isinstance(blame, str) or blame not in EVIDENCE:
             raise RecordError("verdict.blame: unknown")
         if not isinstance(kind, str) or not re.match(r"^[\w:.-]{1,64}$", kind):
             raise RecordError("verdict.timeout_kind: not a name")

@@ -31,8 +31,8 @@ class KeepAliveBook:
     """When the watcher last saw each node's keep-alive counter change, on its own clock.
 
     A node is presumed alive when first seen. A watcher that did not look for a while (its
-    own process stalled) learns nothing about the others from that gap: every clock is
-    moved forward by it, so a stall of the watcher never drops a node."""
+    own process stalled) learned nothing about the others meanwhile: every node is presumed
+    alive again from the moment it looks, so a stall of the watcher never drops a node."""
 
     dead_after: float
     interval: float
@@ -41,11 +41,10 @@ class KeepAliveBook:
     looked_at: float | None = None
 
     def observe(self, counters: Mapping[str, int | None], now: float) -> None:
-        gap = 0.0 if self.looked_at is None else now - self.looked_at
-        blind = gap - 2 * self.interval  # how much longer than usual the watcher was away
-        if blind > 0:
+        blind = self.looked_at is not None and now - self.looked_at > 2 * self.interval
+        if blind:
             for node in self.changed_at:
-                self.changed_at[node] += blind
+                self.changed_at[node] = now
         self.looked_at = now
         for node, count in counters.items():
             if node not in self.changed_at or count != self.counters.get(node):

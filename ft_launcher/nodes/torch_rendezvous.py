@@ -129,7 +129,7 @@ def _etcd_backend(endpoint: str, run_id: str, timings: RendezvousTimings,
         import etcd
     except ModuleNotFoundError:
         raise RendezvousError("--rdzv-backend etcd-v2 needs the python-etcd client: "
-                              "pip install 'ft-launcher[etcd]'") from None
+                              "pip install 'ft-launcher[etcd-v2]'") from None
     from torch.distributed.elastic.rendezvous.etcd_rendezvous_backend import (
         EtcdRendezvousBackend,
     )

@@ -70,6 +70,7 @@ def cycle_rows(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
         evs = cycles[n]["events"]
         injected = next((e for e in evs if e["event"] == "fault_injected"), None)
         hang = next((e for e in evs if e["event"] == "hang_detected"), None)
+        peer = next((e for e in evs if e["event"] == "peer_verdict"), None)
         failed = next((e for e in evs if e["event"] == "worker_exited"
                        and not e.get("stopped_by_launcher") and e.get("exit_code") != 0), None)
         detected = hang or failed
@@ -77,8 +78,13 @@ def cycle_rows(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if injected:
             faults.append(f"injected {injected['fault_type']} rank {injected['rank']}")
         if hang:
-            faults.append(f"hang rank {hang['rank']} ({hang['timeout_kind']}, "
-                          f"{hang['silence_s']} s silent)")
+            faults.append(f"hang rank {hang['rank']}{_on(hang.get('host'))} "
+                          f"({hang['timeout_kind']}, {hang['silence_s']} s silent, "
+                          f"blame {hang.get('blame', '?')})")
+        if peer:
+            faults.append(f"hang rank {peer.get('rank')} on node {peer.get('node')}"
+                          f"{_on(peer.get('host'))} ({peer.get('blame')}): named by that "
+                          f"node; this node's stacks dumped, none of its ranks killed")
         if failed:
             how = failed.get("signal") or f"exit {failed.get('exit_code')}"
             faults.append(f"rank {failed['rank']} died ({how})")
@@ -99,6 +105,10 @@ def cycle_rows(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "decision": decision.get("reason") if decision else None,
         })
     return rows
+
+
+def _on(host: Any) -> str:
+    return f" on {host}" if host else ""
 
 
 def not_fired_line(e: dict[str, Any]) -> str:

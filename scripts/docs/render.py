@@ -736,7 +736,8 @@ EXTRA_PURPOSES = {
     "transformers": "the Hugging Face Trainer callback",
     "report": "the HTML timeline",
     "metrics": "Prometheus metrics",
-    "etcd": "the etcd-v2 rendezvous",
+    "etcd": "the etcd v3 rendezvous",
+    "etcd-v2": "torch's etcd-v2 rendezvous",
     "gpu": "NVML's process list for `scripts/gpu_check.sh`",
     "test": "what the test suite needs",
 }

@@ -176,14 +176,15 @@ stop_store() {
     (($? == 1)) && log "warning: the rendezvous store did not serve: $(tail -1 "$job_dir/rdzv_store.err")"
     store_pid=""
 }
-# Host the c10d store in the batch shell (see rdzv_store.py). It imports torch while srun
+# Host the c10d store, and coordinate the rounds, in the batch shell (see rdzv_store.py).
+# It imports torch while srun
 # starts the launchers (they retry connecting for read_timeout, 60 s), so it costs no wait,
 # only CPU: it is started only where a node may leave while the job goes on (spares > 0).
 # Without spares, any node that leaves ends the job, and the store may go with it.
 start_store() {  # start_store PORT: sets store_pid and the launchers' store_opts
     rm -f "$job_dir/rdzv_store.ready"
     "$python" "$(dirname "$helper")/rdzv_store.py" "$1" "$job_dir/rdzv_store.ready" \
-        2>"$job_dir/rdzv_store.err" &
+        "$min_nodes:$max_nodes" "$SLURM_JOB_ID" 2>"$job_dir/rdzv_store.err" &
     store_pid=$!
     store_opts=(--rdzv-conf is_host=false)
 }

@@ -8,10 +8,15 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from .conftest import Nodes, c10d_common, free_ports, wait_until
+
+FT_REPORT = str(Path(sys.executable).parent / "ft_report")
 
 
 def _stacks(nodes: Nodes, name: str) -> set[int]:
@@ -59,3 +64,9 @@ def test_a_stopped_rank_alone_is_named_and_every_ranks_stacks_are_written(
     assert [(f["kind"], f["rank"]) for f in faults[victim_node]] == [("hang", victim)]
     assert [(f["kind"], f["rank"]) for f in faults[other]] == [("peer_hang", victim)]
     assert faults[other][0]["node"] == peer[0]["node"]  # the culprit's node, not its own
+    # Each node's report names the rank, its node and the evidence.
+    for name, says in ((victim_node, f"hang rank {victim} on "),
+                       (other, f"hang rank {victim} on node {peer[0]['node']}")):
+        out = subprocess.run([FT_REPORT, str(nodes.base / name)], capture_output=True,
+                             text=True, timeout=60).stdout
+        assert says in out and "stopped" in out, out

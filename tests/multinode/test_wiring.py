@@ -38,10 +38,11 @@ def test_a_failed_health_check_keeps_the_node_out_and_requeues_without_it(run_di
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_a_node_that_turns_sick_leaves_and_a_spare_takes_its_place(etcd_cluster, nodes):
-    # etcd-v2: with c10d the sick node might host the store and take it along.
-    nodes.common = ["--nnodes", "1:1", "--nproc-per-node", "1", "--rdzv-backend", "etcd-v2",
-                    "--rdzv-endpoint", etcd_cluster.endpoints, "--rdzv-id",
+def test_a_node_that_turns_sick_leaves_and_a_spare_takes_its_place(etcd3_cluster, nodes):
+    # etcd: with c10d the sick node might host the store and take it along. Here the sick
+    # node coordinates (it came first): the spare elects itself when it leaves.
+    nodes.common = ["--nnodes", "1:1", "--nproc-per-node", "1", "--rdzv-backend", "etcd",
+                    "--rdzv-endpoint", etcd3_cluster.endpoints, "--rdzv-id",
                     f"sick-{time.time_ns()}", "--max-restarts", "3",
                     "--workers-stop-timeout", "2"]
     sick = nodes.out / "a_is_sick"
