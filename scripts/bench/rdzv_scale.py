@@ -36,7 +36,6 @@ import json
 import logging
 import os
 import platform
-import re
 import subprocess
 import sys
 import tempfile
@@ -50,13 +49,24 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO))
+from rdzv_counters import (  # noqa: E402
+    CLK_TCK,
+    Backing,
+    backing,
+    pct,
+    process_ticks,
+    thread_ticks,
+    wire_bytes,
+)
 from rdzv_sim import BACKENDS, JobSpec  # noqa: E402
 
 log = logging.getLogger("bench.rdzv_scale")
 
 DEFAULT_OUT = HERE / "rdzv_scale.json"
 POLL_S = 0.2  # how often the driver collects the nodes' events while it waits
-SETTLE_S = 2.0  # after a round forms, before the next phase
+# A round counts as formed once none of its nodes has left it (news, a re-join, an error)
+# within this of its last node's RoundInfo: the keep-alive expiry (2 s) and a second.
+SETTLE_S = 3.0
 # Both ends of a c10d connection look the peer's address up (reverse DNS) as it connects,
 # the store in its only event-loop thread. Where the resolver drops a query now and then
 # (this machine's does, about 1 in 25 at a burst of connections), the store stalls 5 s, the
@@ -97,13 +107,14 @@ class Sim:
     def _start(self, parts: list[tuple[int, int]]) -> None:
         for k, (first, count) in enumerate(parts):
             env = {**os.environ, **SIM_ENV}
+            argv = [sys.executable, str(HERE / "rdzv_sim.py"), self.job.to_json(), str(first),
+                    str(count)]
             if k > 0:  # a wait that times out is a c10d warning: 1,000 nodes, 4,000 a second
                 env["TORCH_CPP_LOG_LEVEL"] = "ERROR"
             err = open(self.logdir / f"proc{k}.log", "w")  # noqa: SIM115 - the child's stderr
             self.procs.append(subprocess.Popen(
-                [sys.executable, str(HERE / "rdzv_sim.py"), self.job.to_json(), str(first),
-                 str(count)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
-                text=True, env=env, cwd=REPO))
+                argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
+                env=env, cwd=REPO))
             err.close()
             self._cursors.append(0)
             if k == 0:  # the store exists before anyone connects
@@ -199,15 +210,15 @@ def latest_rounds(events: list[dict[str, Any]], nodes: set[int], t0: float
     return latest
 
 
-def full_round(events: list[dict[str, Any]], nodes: set[int], world: int, t0: float
-               ) -> Round | None:
+def full_round(events: list[dict[str, Any]], nodes: set[int], world: int, t0: float,
+               skip: set[int] = frozenset()) -> Round | None:
     """A round of ``world`` nodes, all of them among ``nodes``, that each of them holds as
-    its newest RoundInfo since ``t0``."""
+    its newest RoundInfo since ``t0`` (none of the rounds in ``skip``)."""
     by_round: dict[int, list[dict[str, Any]]] = {}
     for e in latest_rounds(events, nodes, t0).values():
         by_round.setdefault(e["round"], []).append(e)
     for g, got in by_round.items():
-        if len(got) == world and all(e["world"] == world for e in got):
+        if g not in skip and len(got) == world and all(e["world"] == world for e in got):
             return Round(g, frozenset(e["node"] for e in got), max(e["t"] for e in got))
     return None
 
@@ -236,10 +247,6 @@ def wait_for(sim: Sim, check: Callable[[list[dict[str, Any]]], Any], bound_s: fl
         time.sleep(POLL_S)
 
 
-def rounds_after(events: list[dict[str, Any]], t0: float) -> int:
-    return len({e["round"] for e in after(events, t0, "round")})
-
-
 def errors(events: list[dict[str, Any]], t0: float) -> list[str]:
     texts = sorted({e["text"] for e in after(events, t0, "error")})
     return texts[:5]
@@ -260,41 +267,12 @@ def not_within(bound_s: float, how_far: str) -> dict[str, Any]:
     return {"s": None, "note": f"not within {bound_s:g} s: {how_far}"}
 
 
-# -- machine counters ---------------------------------------------------------------------------
-
-
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-_BYTES = re.compile(r"bytes_(sent|received):(\d+)")
-
-
-def wire_bytes(port: int) -> int:
-    """Bytes the store's sockets on ``port`` sent and received so far (the kernel's tcp_info
-    counters of every established server-side connection, read with ``ss -ti``)."""
-    out = subprocess.run(["ss", "-tinH", "state", "established", f"( sport = :{port} )"],
-                         capture_output=True, text=True, check=True).stdout
-    return sum(int(m.group(2)) for m in _BYTES.finditer(out))
-
-
-def cpu_ticks(path: str) -> int:
-    """utime + stime of a process or thread (``/proc/.../stat``), in clock ticks."""
-    try:
-        text = Path(path).read_text()
-    except OSError:
-        return 0
-    fields = text.rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])
-
-
-def thread_ticks(pid: int) -> dict[str, int]:
-    out = {}
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        out[task.name] = cpu_ticks(f"/proc/{pid}/task/{task.name}/stat")
-    return out
+# -- the store's counters ------------------------------------------------------------------
 
 
 def sim_cpu(sim: Sim) -> dict[str, float]:
     """CPU seconds so far: the store host's process, and every process of the job."""
-    ticks = [cpu_ticks(f"/proc/{pid}/stat") for pid in sim.pids()]
+    ticks = [process_ticks(pid) for pid in sim.pids()]
     return {"store_host": ticks[0] / CLK_TCK, "all": sum(ticks) / CLK_TCK}
 
 
@@ -303,38 +281,43 @@ class Snapshot:
     """The counters at one moment of a fault-free window."""
 
     t: float
-    requests: int
+    requests: int  # every node's client-side counts
     bytes: int
-    wire: int
+    wire: dict[str, int]  # by store port name (Backing.ports)
     host: int  # the store host's pid
-    cpu: dict[int, int]
+    cpu: dict[int, int]  # every process of the job, and the backing's (etcd members)
     host_threads: dict[str, int]
 
     @classmethod
-    def take(cls, sim: Sim, port: int) -> Snapshot:
+    def take(cls, sim: Sim, store: Backing) -> Snapshot:
         requests, nbytes = sim.traffic()
-        return cls(time.monotonic(), requests, nbytes, wire_bytes(port), sim.host_pid,
-                   {pid: cpu_ticks(f"/proc/{pid}/stat") for pid in sim.pids()},
+        pids = sim.pids() + list(store.pids.values())
+        return cls(time.monotonic(), requests, nbytes,
+                   {name: wire_bytes(port) for name, port in store.ports.items()},
+                   sim.host_pid, {pid: process_ticks(pid) for pid in pids},
                    thread_ticks(sim.host_pid))
 
 
-def rates(a: Snapshot, b: Snapshot) -> dict[str, float]:
+def rates(a: Snapshot, b: Snapshot, store: Backing) -> dict[str, float]:
+    """Per second between two snapshots; with etcd, its members' bytes and CPU apart."""
     dt = b.t - a.t
-    return {"requests_per_s": round((b.requests - a.requests) / dt, 1),
-            "bytes_per_s": round((b.bytes - a.bytes) / dt, 1),
-            "wire_bytes_per_s": round((b.wire - a.wire) / dt, 1),
-            "store_host_cpu_pct": pct(b.cpu[b.host] - a.cpu[a.host], dt)}
-
-
-def pct(ticks: int, seconds: float) -> float:
-    return round(100.0 * ticks / CLK_TCK / seconds, 2)
+    out = {"requests_per_s": round((b.requests - a.requests) / dt, 1),
+           "bytes_per_s": round((b.bytes - a.bytes) / dt, 1),
+           "wire_bytes_per_s": round((b.wire["store"] - a.wire["store"]) / dt, 1),
+           "store_host_cpu_pct": pct(b.cpu[b.host] - a.cpu[a.host], dt)}
+    etcd = [n for n in store.ports if n != "store"]
+    if etcd:
+        out["etcd_wire_bytes_per_s"] = round(sum(b.wire[n] - a.wire[n] for n in etcd) / dt, 1)
+        out["etcd_cpu_pct"] = pct(sum(b.cpu[store.pids[n]] - a.cpu[store.pids[n]]
+                                      for n in etcd), dt)
+    return out
 
 
 def thread_kind(name: str | None) -> str:
     """What a thread of the store's host process does, by its Python name."""
     if name is None:
         return "store server (threads outside Python)"
-    if name == "ft-rdzv-coordinator":
+    if name in ("ft-rdzv-coordinator", "ft-rdzv-lease"):
         return "coordinator"
     if name == "MainThread":
         return "driver protocol"
@@ -352,49 +335,76 @@ def host_breakdown(a: Snapshot, b: Snapshot, names: dict[str, str]) -> dict[str,
 # -- the phases ------------------------------------------------------------------------------
 
 
+def stable(sim: Sim, check: Callable[[list[dict[str, Any]], set[int]], Round | None],
+           bound_s: float) -> Round | None:
+    """The first round ``check`` finds (given the rounds found unstable so far) that none
+    of its nodes leaves within ``SETTLE_S`` of its forming (no news, no re-join, no error):
+    a round the coordinator re-forms at once (a node dropped on the way) does not count."""
+    deadline = time.monotonic() + bound_s
+    unstable: set[int] = set()
+    while True:
+        rnd = wait_for(sim, lambda ev: check(ev, unstable), deadline - time.monotonic())
+        if rnd is None:
+            return None
+        time.sleep(SETTLE_S)
+        moved = [e for e in sim.pull() if e["t"] > rnd.done_t and e["node"] in rnd.nodes
+                 and e["kind"] in ("news", "join", "error")]
+        if not moved:
+            return rnd
+        unstable.add(rnd.number)
+        if time.monotonic() >= deadline:
+            return None
+
+
+def phase_figures(events: list[dict[str, Any]], rnd: Round, t0: float) -> dict[str, Any]:
+    """What a phase that ended in ``rnd`` took: the figure (``s``: until its last node
+    held it), the first node's RoundInfo, rounds formed, nodes named lost, errors."""
+    got = after(events, t0, "round")
+    lost = {n for e in after(events, t0, "news") if e["t"] <= rnd.done_t for n in e["lost"]}
+    return {"s": round(rnd.done_t - t0, 3),
+            "first_round_info_s": round(min(e["t"] for e in got) - t0, 3),
+            "rounds": len({e["round"] for e in got if e["t"] <= rnd.done_t}),
+            "round": rnd.number, "named_lost": len(lost), "errors": errors(events, t0)}
+
+
 def formation(sim: Sim, world: int, spare: bool, bound_s: float) -> tuple[dict, Round | None]:
-    """Every node joins at once; until ``world`` of them hold the same round (and, with a
-    spare, the one left out waits as a spare)."""
+    """Every node joins at once; until ``world`` of them hold the same round for good (and,
+    with a spare, the one left out waits as a spare)."""
     everyone = set(range(sim.nodes))
     cpu0 = sim_cpu(sim)
     t_call = time.monotonic()
     sim.call_all("join")
 
-    def formed(events: list[dict[str, Any]]) -> Round | None:
-        rnd = full_round(events, everyone, world, t_call)
+    def formed(events: list[dict[str, Any]], unstable: set[int]) -> Round | None:
+        rnd = full_round(events, everyone, world, t_call, unstable)
         if rnd is None or not spare:
             return rnd
         waiting = {e["node"] for e in after(events, t_call, "spare_waiting")}
         return rnd if waiting - rnd.nodes else None
 
-    rnd = wait_for(sim, formed, bound_s)
+    rnd = stable(sim, formed, bound_s)
     cpu = {k: round(v - cpu0[k], 1) for k, v in sim_cpu(sim).items()}
     events = sim.events
-    joins = after(events, t_call, "join")
-    t0 = min((e["t"] for e in joins), default=t_call)
+    t0 = min((e["t"] for e in after(events, t_call, "join")), default=t_call)
     if rnd is None:
         return {**not_within(bound_s, progress(events, everyone, t_call)), "cpu_s": cpu}, None
-    got = after(events, t0, "round")
-    return {"s": round(rnd.done_t - t0, 3),
-            "first_round_info_s": round(min(e["t"] for e in got) - t0, 3),
-            "rounds": rounds_after(events, t0), "round": rnd.number,
-            "errors": errors(events, t0), "cpu_s": cpu}, rnd
+    return {**phase_figures(events, rnd, t0), "cpu_s": cpu}, rnd
 
 
-def fault_free(sim: Sim, port: int, seconds: float) -> dict[str, Any]:
+def fault_free(sim: Sim, store: Backing, seconds: float) -> dict[str, Any]:
     """Traffic, store CPU and false drops over a window in which nothing is faulted."""
     names = sim.call([0], "threads")[0]["threads"]
     slice_s = min(10.0, seconds)
-    snaps = [Snapshot.take(sim, port)]
+    snaps = [Snapshot.take(sim, store)]
     while snaps[-1].t - snaps[0].t < seconds - 1e-3:
         time.sleep(max(0.0, min(slice_s, seconds - (time.monotonic() - snaps[0].t))))
-        snaps.append(Snapshot.take(sim, port))
+        snaps.append(Snapshot.take(sim, store))
     a, b = snaps[0], snaps[-1]
-    per_slice = [rates(x, y) for x, y in zip(snaps, snaps[1:], strict=False)]
+    per_slice = [rates(x, y, store) for x, y in zip(snaps, snaps[1:], strict=False)]
     events = [e for e in sim.pull() if a.t <= e["t"] <= b.t]
     dropped = {n for e in events if e["kind"] == "news" for n in e["lost"]} | \
         {sim.names[e["node"]] for e in events if e["kind"] == "news" and e["dropped"]}
-    return {"window_s": round(b.t - a.t, 1), **rates(a, b),
+    return {"window_s": round(b.t - a.t, 1), **rates(a, b, store),
             "max_slice": {k: max(r[k] for r in per_slice) for k in per_slice[0]},
             "slice_s": slice_s,
             "store_host_threads_cpu_pct": host_breakdown(a, b, names),
@@ -439,17 +449,12 @@ def _all_news(events: list[dict[str, Any]], nodes: set[int], t0: float) -> dict 
 
 def new_round(sim: Sim, nodes: set[int], world: int, t0: float, bound_s: float
               ) -> dict[str, Any]:
-    """Until ``world`` of ``nodes`` hold the same round since ``t0``."""
+    """Until ``world`` of ``nodes`` hold the same round for good since ``t0``."""
     left = max(1.0, bound_s - (time.monotonic() - t0))
-    rnd = wait_for(sim, lambda ev: full_round(ev, nodes, world, t0), left)
-    events = sim.events
+    rnd = stable(sim, lambda ev, unstable: full_round(ev, nodes, world, t0, unstable), left)
     if rnd is None:
-        return not_within(bound_s, progress(events, nodes, t0))
-    got = after(events, t0, "round")
-    return {"s": round(rnd.done_t - t0, 3),
-            "first_round_info_s": round(min(e["t"] for e in got) - t0, 3),
-            "rounds": rounds_after(events, t0), "round": rnd.number,
-            "errors": errors(events, t0)}
+        return not_within(bound_s, progress(sim.events, nodes, t0))
+    return phase_figures(sim.events, rnd, t0)
 
 
 def loss(sim: Sim, rnd: Round, world: int, bound_s: float,
@@ -486,27 +491,23 @@ class Cell:
     conf: dict[str, str] = field(default_factory=dict)
     result: dict[str, Any] = field(default_factory=dict)
 
-    def job(self, tag: str, min_nodes: int, max_nodes: int, port: int) -> JobSpec:
-        return JobSpec(self.backend, f"127.0.0.1:{port}", f"scale-{tag}-{os.getpid()}",
-                       min_nodes, max_nodes, dict(self.conf))
-
-
-def free_port() -> int:
-    from ft_launcher.nodes.rendezvous import free_port as pick
-
-    return pick()
+    def job(self, tag: str, min_nodes: int, endpoint: str) -> JobSpec:
+        return JobSpec(self.backend, endpoint, f"scale-{tag}-{os.getpid()}", min_nodes,
+                       self.nodes, dict(self.conf))
 
 
 def run_job(cell: Cell, tag: str, nodes: int, min_nodes: int, body: Callable[..., None]) -> None:
-    port = free_port()
-    job = cell.job(tag, min_nodes, cell.nodes, port)
-    with tempfile.TemporaryDirectory(prefix=f"rdzv_scale_{tag}_") as logdir:
+    """One job from cold: its store, its processes, ``body(sim, store)``, then all gone."""
+    with tempfile.TemporaryDirectory(prefix=f"rdzv_scale_{tag}_") as workdir, \
+            backing(cell.backend, Path(workdir)) as store:
         t = time.monotonic()
-        sim = Sim(job, nodes, cell.per_proc, Path(logdir))
-        log.info("%s N=%d job %s: %d nodes made in %.1f s", cell.backend, cell.nodes, tag,
-                 nodes, time.monotonic() - t)
+        sim = Sim(cell.job(tag, min_nodes, store.endpoint), nodes, cell.per_proc,
+                  Path(workdir))
         try:
-            body(sim, port)
+            store.ports["store"] = sim.call([0], "store_port")[0]["port"]
+            log.info("%s N=%d job %s: %d nodes made in %.1f s", cell.backend, cell.nodes,
+                     tag, nodes, time.monotonic() - t)
+            body(sim, store)
         finally:
             sim.close()
             if cell.events_dir is not None:
@@ -525,13 +526,12 @@ def job_a(cell: Cell) -> None:
     """Formation, the fault-free window, a frozen node."""
     n, r = cell.nodes, cell.result
 
-    def body(sim: Sim, port: int) -> None:
+    def body(sim: Sim, store: Backing) -> None:
         r["formation"], rnd = formation(sim, n, False, cell.bound_s)
         log.info("formation: %s", r["formation"])
         if rnd is None:
             return
-        time.sleep(SETTLE_S)
-        r["fault_free"] = fault_free(sim, port, cell.fault_free_s)
+        r["fault_free"] = fault_free(sim, store, cell.fault_free_s)
         log.info("fault-free: %s", r["fault_free"])
         r["frozen"] = frozen(sim, rnd, cell.bound_s)
         log.info("frozen: %s", r["frozen"])
@@ -543,11 +543,10 @@ def job_b(cell: Cell) -> None:
     """A node killed while the others re-join."""
     n, r = cell.nodes, cell.result
 
-    def body(sim: Sim, port: int) -> None:
+    def body(sim: Sim, store: Backing) -> None:
         r["formation_b"], rnd = formation(sim, n, False, cell.bound_s)
         if rnd is None:
             return
-        time.sleep(SETTLE_S)
         r["loss"] = loss(sim, rnd, n - 1, cell.bound_s)
         log.info("loss: %s", r["loss"])
 
@@ -558,12 +557,11 @@ def job_c(cell: Cell) -> None:
     """N+1 nodes for N places: a member killed, the spare admitted."""
     n, r = cell.nodes, cell.result
 
-    def body(sim: Sim, port: int) -> None:
+    def body(sim: Sim, store: Backing) -> None:
         r["formation_spare"], rnd = formation(sim, n, True, cell.bound_s)
         if rnd is None:
             return
         spare = next(iter(set(range(n + 1)) - rnd.nodes))
-        time.sleep(SETTLE_S)
         r["spare"] = loss(sim, rnd, n, cell.bound_s, spare=spare)
         log.info("spare: %s", r["spare"])
 
@@ -609,30 +607,50 @@ def timings() -> dict[str, float]:
             "monitor_interval": 0.1}
 
 
-METHOD = [
-    "Nodes: the real rendezvous classes of each backend (rdzv_sim.py), one thread per node "
-    "that joins and then calls poll_round() every monitor_interval as the supervisor does, "
-    "re-joining on news; no workers. Node 0 alone in the process that hosts the store (and, "
-    "with c10d, runs the coordinator); the others spread over the worker processes.",
-    "Times: time.monotonic() in every process (one clock for the machine).",
-    "Formation: first node's next_round() call → the last node's RoundInfo of a round that "
-    "holds all N (with a spare: N of N+1, the other waiting as a spare).",
-    "Traffic: requests and bytes counted client-side (c10d: C10dKV's counters of every "
-    "client, the coordinator's included; torch-c10d: every call torch's c10d rendezvous "
-    "backend makes to the store, its keys and values), and wire bytes: the kernel's "
-    "bytes_sent + bytes_received of the store's server-side sockets (ss -ti), both directions.",
-    "Store host CPU: utime+stime of the process that hosts the store (it also runs node 0, "
-    "and with c10d the coordinator), % of one core, over the window.",
-    "False drops: rounds that nodes joined and news that poll_round() reported during the "
-    "fault-free window, and the nodes named lost or dropped in it.",
-    "Frozen: one member's keep-alive and loop stopped, nothing left; dropped_by_every_survivor "
-    "= until every survivor's poll_round() named it lost; new_round = until the round of N-1 "
-    "formed (the survivors re-join on the news).",
-    "Loss: one member's keep-alive and loop stopped while every other node re-joins at the "
-    "same moment (its workers would fail through the data plane): until every survivor "
-    "holds its RoundInfo of the round of N-1. Spare: the same with N+1 nodes for --nnodes "
-    "N:N, until the spare holds its RoundInfo (spare_s) and every node of the new round (s).",
-]
+def method() -> list[str]:
+    """How each figure is taken (rendered beside the figures)."""
+    return [
+        "Nodes: each the real rendezvous classes of its backend (scripts/bench/rdzv_sim.py), "
+        "no workers: a thread per node joins (next_round()), then calls poll_round() every "
+        "--monitor-interval (0.1 s) as the supervisor does, and joins again on news (nodes "
+        "lost or waiting, a next round opened, itself dropped). Node 0 runs alone in the "
+        "process that hosts the store (c10d: the store and the coordinator; etcd: it is "
+        "elected, hosts the round store and coordinates; torch-c10d: torch's TCPStore); the "
+        "others in processes of at most 64 nodes.",
+        "Only the simulator differs from launchers: its processes use a 50 ms interpreter "
+        "switch interval and rarer garbage collections (64 nodes' threads and records in one "
+        "process), a 1 s resolver timeout (c10d connections look their peer up; every "
+        "connection is open before the first measured phase), and c10d warnings off except "
+        "in the store's host.",
+        "Times: time.monotonic() in every process (one clock for the machine).",
+        "Formation: every node calls next_round() at once; the figure is from the first call "
+        "to the last node's RoundInfo of a round that holds all N (with a spare: N of N+1, "
+        f"the other waiting as a spare) and that none of its nodes leaves within {SETTLE_S:g} s "
+        "(a round re-formed at once, a node dropped on the way, does not count: the rounds "
+        "it took and the nodes dropped are given). The same rule ends every phase below.",
+        "Traffic, over the fault-free window once the round formed: requests and bytes "
+        "counted by the clients (c10d and etcd: the counters of every client, the "
+        "coordinator's and etcd's included; torch-c10d: every call torch's c10d rendezvous "
+        "backend makes to the store, its keys and values), and bytes on the wire: the "
+        "kernel's bytes_sent + bytes_received of every server-side socket of the store "
+        "(ss -ti), both directions; for etcd its round store's and its members' client ports.",
+        "Store host CPU: utime + stime of the process that hosts the store (it also runs node "
+        "0, and with ours the coordinator), % of one core over the window; for etcd plus its "
+        "three members. The simulator processes' own CPU is given per process.",
+        "False drops: rounds that nodes joined, news that poll_round() reported and nodes "
+        "named lost or dropped during the fault-free window, in which nothing is faulted.",
+        "Frozen: one member's keep-alive and loop stopped, nothing left (as SIGSTOP): until "
+        "every survivor's poll_round() named it lost; then until the round of N-1 formed "
+        "(the survivors re-join on the news).",
+        "Loss: one member's keep-alive and loop stopped (as SIGKILL) while every other member "
+        "re-joins at the same moment (its workers would fail through the data plane): until "
+        "every survivor holds its RoundInfo of the round of N-1. Spare: the same with N+1 "
+        "nodes for --nnodes N:N, until the spare holds its RoundInfo of the new round.",
+        "Every wait is bounded (--bound-s); a phase not done by then is reported with how far "
+        "it got.",
+    ]
+
+
 
 
 def load(out: Path, merge: bool) -> dict[str, Any]:
@@ -644,7 +662,7 @@ def write(out: Path, doc: dict[str, Any], backend: str, n: int, result: dict[str
           command: str) -> None:
     """Put one cell into ``doc`` and write it whole."""
     doc.update(version=1, machine=machine_info(), timings=timings(), targets=TARGETS,
-               method=METHOD)
+               method=method())
     doc["commands"] = sorted(set(doc.get("commands", [])) | {command})
     doc.setdefault("cells", {}).setdefault(backend, {})[str(n)] = result
     out.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")

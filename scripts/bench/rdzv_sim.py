@@ -18,13 +18,15 @@ only in what the driver asks of the others), ``fail`` makes a node re-join at on
 launcher does when its workers fail through the data plane.
 
 A backend is one function that makes a node (``BACKENDS``): ``c10d`` (``C10dPlace`` +
-``RoundRendezvous``) and ``torch-c10d`` (``DynamicRendezvous``, torch's
-``DynamicRendezvousHandler``). Times are ``time.monotonic()``: one clock for every process
-of the machine.
+``RoundRendezvous``), ``etcd`` (``EtcdPlace`` + ``RoundRendezvous``: etcd holds the job's
+facts and the election, the rounds run on the elected coordinator's c10d store) and
+``torch-c10d`` (``DynamicRendezvous``, torch's ``DynamicRendezvousHandler``). Times are
+``time.monotonic()``: one clock for every process of the machine.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import resource
@@ -38,6 +40,17 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 MAKERS = 32  # threads that make a process's nodes
+# A launcher is a process of a few threads; here a process holds 64 nodes' threads, which
+# all want the interpreter lock as their store calls return. A thread waiting for it wakes
+# every switch interval (5 ms by default) to ask for it: at 1,000 nodes joining at once,
+# 70 % of the machine went to those wake-ups in the kernel (perf) and the store's thread
+# starved. A longer interval only makes a thread that computes yield later; every store
+# call still releases the lock.
+SWITCH_INTERVAL_S = 0.05
+# A launcher's heap holds one membership; a process of 64 simulated nodes holds 64 (64,000
+# records at 1,000 nodes), and the collector's full passes over them took a fifth of the
+# machine (perf) while rounds re-formed. Collections run less often; nothing else changes.
+GC_THRESHOLDS = (50_000, 20, 20)
 
 
 @dataclass(frozen=True)
@@ -86,40 +99,61 @@ class BackendNode(Protocol):
 
     def stop_keep_alive(self) -> None: ...
     def traffic(self) -> tuple[int, int]: ...
+    def hosted_port(self) -> int | None: ...
 
 
 # -- backends -------------------------------------------------------------------------------
 
 
 class OursNode:
-    """``--rdzv-backend c10d``: the launcher's own rendezvous."""
+    """``--rdzv-backend c10d`` (``C10dPlace``) and ``etcd`` (``EtcdPlace``): the launcher's
+    own rendezvous. With etcd, node 0 is made first and so is elected: it hosts the round
+    store and coordinates."""
 
     def __init__(self, job: JobSpec, index: int, events: Callable[..., Any]) -> None:
         from ft_launcher.nodes.member import RoundRendezvous, node_id
-        from ft_launcher.nodes.place import C10dPlace
         from ft_launcher.nodes.rendezvous import RendezvousTimings
 
         timings, _ = RendezvousTimings.from_conf(job.conf)
         host = f"sim{index}"
         me = node_id(host)
-        place = C10dPlace(job.endpoint, job.run_id, timings, job.min_nodes, job.max_nodes,
-                          {"is_host": "true" if index == 0 else "false"}, me)
+        place = self._place(job, timings, index, me)
         self.rdzv = RoundRendezvous(place, job.run_id, job.min_nodes, job.max_nodes, timings,
                                     None, "127.0.0.1", host, events, me=me)
+
+    @staticmethod
+    def _place(job: JobSpec, timings: Any, index: int, me: str) -> Any:
+        if job.backend == "etcd":
+            from ft_launcher.nodes.etcd_place import EtcdPlace
+
+            return EtcdPlace(job.endpoint, job.run_id, timings, job.min_nodes, job.max_nodes,
+                             {}, me, "127.0.0.1")
+        from ft_launcher.nodes.place import C10dPlace
+
+        return C10dPlace(job.endpoint, job.run_id, timings, job.min_nodes, job.max_nodes,
+                         {"is_host": "true" if index == 0 else "false"}, me)
 
     def stop_keep_alive(self) -> None:
         self.rdzv.pulse.stop()  # sets its stop flag first: no keep-alive after this call
 
-    def _kvs(self) -> list[Any]:
+    def _counters(self) -> list[Any]:
+        """Every client of this node that counts its requests: the main thread's and the
+        pulse's, the coordinator's where it runs, etcd's with etcd."""
         place = self.rdzv.place
         kvs = [place.main, self.rdzv.pulse.kv]
         if place.coordinator is not None:
             kvs.append(place.coordinator.kv)
+        if getattr(place, "etcd", None) is not None:
+            kvs.append(place.etcd)
         return kvs
 
     def traffic(self) -> tuple[int, int]:
-        kvs = self._kvs()
+        kvs = self._counters()
         return sum(kv.requests for kv in kvs), sum(kv.bytes for kv in kvs)
+
+    def hosted_port(self) -> int | None:
+        server = self.rdzv.place.server
+        return None if server is None else int(server.port)
 
 
 class TorchNode:
@@ -153,10 +187,14 @@ class TorchNode:
     def traffic(self) -> tuple[int, int]:
         return self.requests, self.bytes
 
+    def hosted_port(self) -> int | None:
+        return int(self.rdzv.job_store.port)  # torch's TCPStore, the one its nodes share
+
 
 BACKENDS: dict[str, Callable[[JobSpec, int, Callable[..., Any]], BackendNode]] = {
     "c10d": OursNode,
     "torch-c10d": TorchNode,
+    "etcd": OursNode,
 }
 
 
@@ -180,6 +218,7 @@ class SimNode:
         self.name = str(self.node.rdzv.node_name)
         self.halted = threading.Event()  # killed or frozen: the loop ends, sends nothing
         self.failed = threading.Event()  # its workers failed: re-join now
+        self.watching = False  # in a round, its workers (were they real) running
         self.wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"sim-node-{index}",
                                         daemon=True)
@@ -205,6 +244,13 @@ class SimNode:
 
     def _watch(self) -> bool:
         """Poll until news (True: re-join) or a halt (False)."""
+        self.watching = True
+        try:
+            return self._poll()
+        finally:
+            self.watching = False
+
+    def _poll(self) -> bool:
         while True:
             self.wake.clear()
             if self.halted.is_set():
@@ -232,7 +278,11 @@ class SimNode:
         self.wake.set()
         return t
 
-    def fail(self) -> float:
+    def fail(self) -> float | None:
+        """Its workers fail (the data plane broke): it re-joins now. A node in no round
+        (joining, or waiting as a spare) has no workers to fail."""
+        if not self.watching or self.halted.is_set():
+            return None
         t = self.log.add(self.index, "fail")
         self.failed.set()
         self.wake.set()
@@ -273,6 +323,10 @@ class Process:
         totals = [n.node.traffic() for n in self.nodes.values()]
         return {"requests": sum(t[0] for t in totals), "bytes": sum(t[1] for t in totals)}
 
+    def store_port(self) -> dict[str, Any]:
+        """The port of the round store node 0 hosts (this process's first node)."""
+        return {"port": self.nodes[self.first].node.hosted_port()}
+
     def threads(self) -> dict[str, Any]:
         return {"threads": {str(t.native_id): t.name for t in threading.enumerate()}}
 
@@ -283,12 +337,12 @@ class Process:
         times |= {i: self.nodes[i].halt("frozen") for i in freeze if i in self.nodes}
         if fail:
             for i, node in self.nodes.items():
-                if i not in times and not node.halted.is_set():
+                if i not in times:
                     node.fail()
         return {"halted": times}
 
 
-COMMANDS = ("make", "join", "events", "traffic", "threads", "fault")
+COMMANDS = ("make", "join", "events", "traffic", "threads", "fault", "store_port")
 
 
 def raise_file_limit() -> None:
@@ -318,6 +372,8 @@ def serve(job: JobSpec, first: int, count: int) -> None:
 def main(argv: list[str]) -> int:
     sys.path.insert(0, os.getcwd())
     raise_file_limit()
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
+    gc.set_threshold(*GC_THRESHOLDS)
     serve(JobSpec.from_json(argv[0]), int(argv[1]), int(argv[2]))
     return 0
 
