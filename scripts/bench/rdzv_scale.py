@@ -276,6 +276,11 @@ def sim_cpu(sim: Sim) -> dict[str, float]:
     return {"store_host": ticks[0] / CLK_TCK, "all": sum(ticks) / CLK_TCK}
 
 
+def store_wire(store: Backing) -> int:
+    """Bytes every socket of the store (and etcd's members) moved so far."""
+    return sum(wire_bytes(port) for port in store.ports.values())
+
+
 @dataclass
 class Snapshot:
     """The counters at one moment of a fault-free window."""
@@ -364,14 +369,22 @@ def phase_figures(events: list[dict[str, Any]], rnd: Round, t0: float) -> dict[s
     return {"s": round(rnd.done_t - t0, 3),
             "first_round_info_s": round(min(e["t"] for e in got) - t0, 3),
             "rounds": len({e["round"] for e in got if e["t"] <= rnd.done_t}),
-            "round": rnd.number, "named_lost": len(lost), "errors": errors(events, t0)}
+            "round": rnd.number, "named_lost": len(lost), "errors": errors(events, t0),
+            "max_lag_s": max_lag(events, t0, rnd.done_t)}
 
 
-def formation(sim: Sim, world: int, spare: bool, bound_s: float) -> tuple[dict, Round | None]:
+def max_lag(events: list[dict[str, Any]], t0: float, t1: float) -> float:
+    """The longest a thread of the node processes was held back (LagProbe) in [t0, t1]."""
+    return max((e["s"] for e in after(events, t0, "lag") if e["t"] <= t1), default=0.0)
+
+
+def formation(sim: Sim, store: Backing, world: int, spare: bool, bound_s: float
+              ) -> tuple[dict, Round | None]:
     """Every node joins at once; until ``world`` of them hold the same round for good (and,
-    with a spare, the one left out waits as a spare)."""
+    with a spare, the one left out waits as a spare). Also what it cost: CPU seconds, and
+    the bytes the store's sockets moved meanwhile (MB)."""
     everyone = set(range(sim.nodes))
-    cpu0 = sim_cpu(sim)
+    cpu0, wire0 = sim_cpu(sim), store_wire(store)
     t_call = time.monotonic()
     sim.call_all("join")
 
@@ -383,12 +396,13 @@ def formation(sim: Sim, world: int, spare: bool, bound_s: float) -> tuple[dict, 
         return rnd if waiting - rnd.nodes else None
 
     rnd = stable(sim, formed, bound_s)
-    cpu = {k: round(v - cpu0[k], 1) for k, v in sim_cpu(sim).items()}
+    cost = {"cpu_s": {k: round(v - cpu0[k], 1) for k, v in sim_cpu(sim).items()},
+            "wire_mb": round((store_wire(store) - wire0) / 1e6, 1)}
     events = sim.events
     t0 = min((e["t"] for e in after(events, t_call, "join")), default=t_call)
     if rnd is None:
-        return {**not_within(bound_s, progress(events, everyone, t_call)), "cpu_s": cpu}, None
-    return {**phase_figures(events, rnd, t0), "cpu_s": cpu}, rnd
+        return {**not_within(bound_s, progress(events, everyone, t_call)), **cost}, None
+    return {**phase_figures(events, rnd, t0), **cost}, rnd
 
 
 def fault_free(sim: Sim, store: Backing, seconds: float) -> dict[str, Any]:
@@ -411,7 +425,8 @@ def fault_free(sim: Sim, store: Backing, seconds: float) -> dict[str, Any]:
             "process_cpu_pct": [pct(b.cpu[p] - a.cpu[p], b.t - a.t) for p in sim.pids()],
             "rounds_opened": len({e["round"] for e in events if e["kind"] == "round"}),
             "news": sum(e["kind"] == "news" for e in events),
-            "nodes_dropped": len(dropped), "errors": errors(events, a.t)}
+            "nodes_dropped": len(dropped), "errors": errors(events, a.t),
+            "max_lag_s": max_lag(events, a.t, b.t)}
 
 
 def pick_victim(sim: Sim, rnd: Round) -> int:
@@ -419,10 +434,11 @@ def pick_victim(sim: Sim, rnd: Round) -> int:
     return max(rnd.nodes - {0})
 
 
-def frozen(sim: Sim, rnd: Round, bound_s: float) -> dict[str, Any]:
+def frozen(sim: Sim, store: Backing, rnd: Round, bound_s: float) -> dict[str, Any]:
     """Freeze one member; until every survivor has dropped it, then its new round."""
     victim = pick_victim(sim, rnd)
     survivors = set(rnd.nodes) - {victim}
+    wire0 = store_wire(store)
     t0 = sim.fault(freeze=[victim])
     news = wait_for(sim, lambda ev: _all_news(ev, survivors, t0), bound_s)
     events = sim.events
@@ -437,8 +453,10 @@ def frozen(sim: Sim, rnd: Round, bound_s: float) -> dict[str, Any]:
         "s": round(max(times), 3) if len(named) == len(survivors) else None,
         "first_s": round(min(times), 3), "named_by": len(named),
         "survivors": len(survivors), "every_survivor_news_s": round(max(times), 3),
-        "whys": sorted({e["why"] for e in news.values()})}}
+        "whys": sorted({e["why"] for e in news.values()}),
+        "max_lag_s": max_lag(events, t0, t0 + max(times))}}
     out["new_round"] = new_round(sim, survivors, len(survivors), t0, bound_s)
+    out["new_round"]["wire_mb"] = round((store_wire(store) - wire0) / 1e6, 1)
     return out
 
 
@@ -457,14 +475,17 @@ def new_round(sim: Sim, nodes: set[int], world: int, t0: float, bound_s: float
     return phase_figures(sim.events, rnd, t0)
 
 
-def loss(sim: Sim, rnd: Round, world: int, bound_s: float,
+def loss(sim: Sim, store: Backing, rnd: Round, world: int, bound_s: float,
          spare: int | None = None) -> dict[str, Any]:
     """Kill one member while every other node re-joins at once (the data plane's fan-out);
-    until the new round of ``world`` holds every survivor (and the spare)."""
+    until the new round of ``world`` holds every survivor (and the spare). Also the bytes
+    the store moved meanwhile (MB)."""
     victim = pick_victim(sim, rnd)
     nodes = set(rnd.nodes) - {victim} | ({spare} if spare is not None else set())
+    wire0 = store_wire(store)
     t0 = sim.fault(kill=[victim], fail=True)
     out = new_round(sim, nodes, world, t0, bound_s)
+    out["wire_mb"] = round((store_wire(store) - wire0) / 1e6, 1)
     fails = [e["t"] - t0 for e in after(sim.events, t0, "fail")]
     out["fail_spread_s"] = round(max(fails), 3) if fails else None
     if spare is not None and out.get("s") is not None:
@@ -527,13 +548,13 @@ def job_a(cell: Cell) -> None:
     n, r = cell.nodes, cell.result
 
     def body(sim: Sim, store: Backing) -> None:
-        r["formation"], rnd = formation(sim, n, False, cell.bound_s)
+        r["formation"], rnd = formation(sim, store, n, False, cell.bound_s)
         log.info("formation: %s", r["formation"])
         if rnd is None:
             return
         r["fault_free"] = fault_free(sim, store, cell.fault_free_s)
         log.info("fault-free: %s", r["fault_free"])
-        r["frozen"] = frozen(sim, rnd, cell.bound_s)
+        r["frozen"] = frozen(sim, store, rnd, cell.bound_s)
         log.info("frozen: %s", r["frozen"])
 
     run_job(cell, "a", n, n - 1, body)
@@ -544,10 +565,10 @@ def job_b(cell: Cell) -> None:
     n, r = cell.nodes, cell.result
 
     def body(sim: Sim, store: Backing) -> None:
-        r["formation_b"], rnd = formation(sim, n, False, cell.bound_s)
+        r["formation_b"], rnd = formation(sim, store, n, False, cell.bound_s)
         if rnd is None:
             return
-        r["loss"] = loss(sim, rnd, n - 1, cell.bound_s)
+        r["loss"] = loss(sim, store, rnd, n - 1, cell.bound_s)
         log.info("loss: %s", r["loss"])
 
     run_job(cell, "b", n, n - 1, body)
@@ -558,11 +579,11 @@ def job_c(cell: Cell) -> None:
     n, r = cell.nodes, cell.result
 
     def body(sim: Sim, store: Backing) -> None:
-        r["formation_spare"], rnd = formation(sim, n, True, cell.bound_s)
+        r["formation_spare"], rnd = formation(sim, store, n, True, cell.bound_s)
         if rnd is None:
             return
         spare = next(iter(set(range(n + 1)) - rnd.nodes))
-        r["spare"] = loss(sim, rnd, n, cell.bound_s, spare=spare)
+        r["spare"] = loss(sim, store, rnd, n, cell.bound_s, spare=spare)
         log.info("spare: %s", r["spare"])
 
     run_job(cell, "c", n + 1, n, body)

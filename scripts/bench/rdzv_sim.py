@@ -51,6 +51,7 @@ SWITCH_INTERVAL_S = 0.05
 # records at 1,000 nodes), and the collector's full passes over them took a fifth of the
 # machine (perf) while rounds re-formed. Collections run less often; nothing else changes.
 GC_THRESHOLDS = (50_000, 20, 20)
+LAG_TICK_S, LAG_LOG_S = 0.1, 0.25  # the lag probe's sleep, and the lateness it logs
 
 
 @dataclass(frozen=True)
@@ -292,6 +293,25 @@ class SimNode:
 # -- the process ----------------------------------------------------------------------------
 
 
+class LagProbe:
+    """How late this process's threads run: a thread that sleeps ``LAG_TICK_S`` and logs
+    a ``lag`` event (node -1) whenever it woke more than ``LAG_LOG_S`` late. A simulated
+    node's keep-alive runs in a thread of the same process: a lag of 2 s is a keep-alive
+    the machine (not the rendezvous) held back past the others' expiry."""
+
+    def __init__(self, log: EventLog) -> None:
+        self.log = log
+        threading.Thread(target=self._run, name="sim-lag-probe", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            t = time.monotonic()
+            time.sleep(LAG_TICK_S)
+            late = time.monotonic() - t - LAG_TICK_S
+            if late > LAG_LOG_S:
+                self.log.add(-1, "lag", s=round(late, 3))
+
+
 class Process:
     """This process's nodes and the commands the driver sends."""
 
@@ -299,6 +319,7 @@ class Process:
         self.job, self.first, self.count = job, first, count
         self.log = EventLog()
         self.nodes: dict[int, SimNode] = {}
+        LagProbe(self.log)
 
     def make(self) -> dict[str, Any]:
         """Make this process's nodes, several at a time (each c10d connection looks its
