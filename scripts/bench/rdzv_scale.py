@@ -158,9 +158,11 @@ class Sim:
             self.events += new
         return self.events
 
-    def traffic(self) -> tuple[int, int]:
+    def traffic(self) -> dict[str, int]:
+        """Every node's client-side counts, summed: requests, bytes, and the
+        coordinator's own share of each."""
         answers = self.call_all("traffic")
-        return sum(a["requests"] for a in answers), sum(a["bytes"] for a in answers)
+        return {k: sum(a[k] for a in answers) for k in answers[0]}
 
     def fault(self, kill: list[int] = (), freeze: list[int] = (), fail: bool = False) -> float:
         """Apply a fault in every process at once; the time the first node was halted."""
@@ -286,8 +288,7 @@ class Snapshot:
     """The counters at one moment of a fault-free window."""
 
     t: float
-    requests: int  # every node's client-side counts
-    bytes: int
+    counts: dict[str, int]  # every node's client-side counts (Sim.traffic)
     wire: dict[str, int]  # by store port name (Backing.ports)
     host: int  # the store host's pid
     cpu: dict[int, int]  # every process of the job, and the backing's (etcd members)
@@ -295,9 +296,9 @@ class Snapshot:
 
     @classmethod
     def take(cls, sim: Sim, store: Backing) -> Snapshot:
-        requests, nbytes = sim.traffic()
+        counts = sim.traffic()
         pids = sim.pids() + list(store.pids.values())
-        return cls(time.monotonic(), requests, nbytes,
+        return cls(time.monotonic(), counts,
                    {name: wire_bytes(port) for name, port in store.ports.items()},
                    sim.host_pid, {pid: process_ticks(pid) for pid in pids},
                    thread_ticks(sim.host_pid))
@@ -306,10 +307,9 @@ class Snapshot:
 def rates(a: Snapshot, b: Snapshot, store: Backing) -> dict[str, float]:
     """Per second between two snapshots; with etcd, its members' bytes and CPU apart."""
     dt = b.t - a.t
-    out = {"requests_per_s": round((b.requests - a.requests) / dt, 1),
-           "bytes_per_s": round((b.bytes - a.bytes) / dt, 1),
-           "wire_bytes_per_s": round((b.wire["store"] - a.wire["store"]) / dt, 1),
-           "store_host_cpu_pct": pct(b.cpu[b.host] - a.cpu[a.host], dt)}
+    out = {f"{k}_per_s": round((b.counts[k] - a.counts[k]) / dt, 1) for k in b.counts}
+    out |= {"wire_bytes_per_s": round((b.wire["store"] - a.wire["store"]) / dt, 1),
+            "store_host_cpu_pct": pct(b.cpu[b.host] - a.cpu[a.host], dt)}
     etcd = [n for n in store.ports if n != "store"]
     if etcd:
         out["etcd_wire_bytes_per_s"] = round(sum(b.wire[n] - a.wire[n] for n in etcd) / dt, 1)

@@ -100,6 +100,7 @@ class BackendNode(Protocol):
 
     def stop_keep_alive(self) -> None: ...
     def traffic(self) -> tuple[int, int]: ...
+    def coordinator_traffic(self) -> tuple[int, int]: ...
     def hosted_port(self) -> int | None: ...
 
 
@@ -152,6 +153,11 @@ class OursNode:
         kvs = self._counters()
         return sum(kv.requests for kv in kvs), sum(kv.bytes for kv in kvs)
 
+    def coordinator_traffic(self) -> tuple[int, int]:
+        """The coordinator's own requests and bytes (part of ``traffic``), where it runs."""
+        loop = self.rdzv.place.coordinator
+        return (0, 0) if loop is None else (loop.kv.requests, loop.kv.bytes)
+
     def hosted_port(self) -> int | None:
         server = self.rdzv.place.server
         return None if server is None else int(server.port)
@@ -187,6 +193,9 @@ class TorchNode:
 
     def traffic(self) -> tuple[int, int]:
         return self.requests, self.bytes
+
+    def coordinator_traffic(self) -> tuple[int, int]:
+        return 0, 0  # torch's handler has no coordinator: every node writes the state
 
     def hosted_port(self) -> int | None:
         return int(self.rdzv.job_store.port)  # torch's TCPStore, the one its nodes share
@@ -342,7 +351,10 @@ class Process:
 
     def traffic(self) -> dict[str, Any]:
         totals = [n.node.traffic() for n in self.nodes.values()]
-        return {"requests": sum(t[0] for t in totals), "bytes": sum(t[1] for t in totals)}
+        coord = [n.node.coordinator_traffic() for n in self.nodes.values()]
+        return {"requests": sum(t[0] for t in totals), "bytes": sum(t[1] for t in totals),
+                "coordinator_requests": sum(t[0] for t in coord),
+                "coordinator_bytes": sum(t[1] for t in coord)}
 
     def store_port(self) -> dict[str, Any]:
         """The port of the round store node 0 hosts (this process's first node)."""
