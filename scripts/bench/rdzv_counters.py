@@ -17,6 +17,7 @@ import re
 import signal
 import socket
 import subprocess
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +61,19 @@ def thread_ticks(pid: int) -> dict[str, int]:
 def pct(ticks: int, seconds: float) -> float:
     """Clock ticks over ``seconds`` as % of one core."""
     return round(100.0 * ticks / CLK_TCK / seconds, 2)
+
+
+def machine_busy_pct(seconds: float) -> float:
+    """How busy the whole machine was over the next ``seconds``: 100 % minus its idle and
+    I/O-wait share of every CPU (``/proc/stat``)."""
+    def read() -> tuple[int, int]:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+        return sum(fields), fields[3] + fields[4]
+
+    total0, idle0 = read()
+    time.sleep(seconds)
+    total1, idle1 = read()
+    return round(100.0 * (1 - (idle1 - idle0) / max(1, total1 - total0)), 1)
 
 
 def free_ports(n: int) -> list[int]:

@@ -53,6 +53,7 @@ from rdzv_counters import (  # noqa: E402
     CLK_TCK,
     Backing,
     backing,
+    machine_busy_pct,
     pct,
     process_ticks,
     thread_ticks,
@@ -63,6 +64,7 @@ from rdzv_sim import BACKENDS, JobSpec  # noqa: E402
 log = logging.getLogger("bench.rdzv_scale")
 
 DEFAULT_OUT = HERE / "rdzv_scale.json"
+QUIET_SAMPLE_S = 10.0  # how long the machine's busyness is sampled before a job
 POLL_S = 0.2  # how often the driver collects the nodes' events while it waits
 # A round counts as formed once none of its nodes has left it (news, a re-join, an error)
 # within this of its last node's RoundInfo: the keep-alive expiry (2 s) and a second.
@@ -509,6 +511,8 @@ class Cell:
     bound_s: float
     jobs: str = "abc"
     events_dir: Path | None = None
+    quiet_pct: float | None = None  # wait for the machine to be less busy than this
+    quiet_wait_s: float = 0.0
     conf: dict[str, str] = field(default_factory=dict)
     result: dict[str, Any] = field(default_factory=dict)
 
@@ -589,6 +593,20 @@ def job_c(cell: Cell) -> None:
     run_job(cell, "c", n + 1, n, body)
 
 
+def wait_for_quiet(busy_pct: float | None, most_s: float) -> dict[str, Any]:
+    """Before a job: wait (at most ``most_s``) until the machine was less than ``busy_pct``
+    busy over 10 s; how busy it was when the job started, and how long that took."""
+    t0 = time.monotonic()
+    while True:
+        busy = machine_busy_pct(QUIET_SAMPLE_S)
+        waited = time.monotonic() - t0
+        if busy_pct is None or busy < busy_pct or waited >= most_s:
+            if busy_pct is not None:
+                log.info("machine %.0f %% busy after %.0f s of waiting for quiet", busy, waited)
+            return {"busy_pct": busy, "waited_s": round(waited, 1),
+                    "quiet": busy_pct is not None and busy < busy_pct}
+
+
 def run_cell(cell: Cell, command: str) -> dict[str, Any]:
     started = time.time()
     cell.result.update(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
@@ -597,6 +615,8 @@ def run_cell(cell: Cell, command: str) -> dict[str, Any]:
                                  "bound_s": cell.bound_s})
     for tag, job in (("a", job_a), ("b", job_b), ("c", job_c)):
         if tag in cell.jobs:
+            cell.result.setdefault("quiet", {})[tag] = wait_for_quiet(cell.quiet_pct,
+                                                                      cell.quiet_wait_s)
             job(cell)
     cell.result.update(loadavg_end=loadavg(), wall_s=round(time.time() - started, 1))
     return cell.result
@@ -703,6 +723,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--jobs", default="abc",
                     help="which jobs: a (formation, fault-free, frozen), b (loss), c (spare)")
     ap.add_argument("--events", type=Path, help="write every job's events under this folder")
+    ap.add_argument("--quiet-pct", type=float,
+                    help="before each job, wait until the machine is less busy than this "
+                         "(%% of all its CPUs, over 10 s); each job records how busy it was")
+    ap.add_argument("--quiet-wait-s", type=float, default=3600.0,
+                    help="the longest to wait for quiet before each job [3600]")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--merge", action="store_true",
                     help="keep the cells of --out that this run does not measure")
@@ -724,7 +749,7 @@ def main(argv: list[str] | None = None) -> int:
     for backend in args.backend_list:
         for n in args.node_counts:
             cell = Cell(backend, n, args.per_proc, args.fault_free_s, args.bound_s, args.jobs,
-                        args.events)
+                        args.events, args.quiet_pct, args.quiet_wait_s)
             write(args.out, doc, backend, n, run_cell(cell, command), command)
     return 0
 
