@@ -36,6 +36,7 @@ import json
 import logging
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -540,11 +541,15 @@ def run_job(cell: Cell, tag: str, nodes: int, min_nodes: int, body: Callable[...
 
 
 def dump_events(cell: Cell, tag: str, sim: Sim) -> None:
-    """Every event of a job, for reading what happened (``--events DIR``)."""
+    """Every event of a job and its processes' stderr, for reading what happened
+    (``--events DIR``)."""
     assert cell.events_dir is not None
     cell.events_dir.mkdir(parents=True, exist_ok=True)
-    path = cell.events_dir / f"{cell.backend}-{cell.nodes}-{tag}.json"
-    path.write_text(json.dumps({"names": sim.names, "events": sim.events}))
+    stem = f"{cell.backend}-{cell.nodes}-{tag}"
+    (cell.events_dir / f"{stem}.json").write_text(
+        json.dumps({"names": sim.names, "events": sim.events}))
+    for k in range(len(sim.procs)):
+        shutil.copyfile(sim.logdir / f"proc{k}.log", cell.events_dir / f"{stem}-proc{k}.log")
 
 
 def job_a(cell: Cell) -> None:
@@ -557,6 +562,7 @@ def job_a(cell: Cell) -> None:
         if rnd is None:
             return
         r["fault_free"] = fault_free(sim, store, cell.fault_free_s)
+        r["fault_free"]["coordinator"] = sim.call([0], "health")[0]["coordinator"]
         log.info("fault-free: %s", r["fault_free"])
         r["frozen"] = frozen(sim, store, rnd, cell.bound_s)
         log.info("frozen: %s", r["frozen"])

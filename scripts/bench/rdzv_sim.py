@@ -360,6 +360,15 @@ class Process:
         """The port of the round store node 0 hosts (this process's first node)."""
         return {"port": self.nodes[self.first].node.hosted_port()}
 
+    def health(self) -> dict[str, Any]:
+        """Whether the coordinator this process runs (ours: node 0's) still runs, and why
+        it stopped if it did (``CoordinatorLoop.error``)."""
+        place = getattr(self.nodes[self.first].node.rdzv, "place", None)
+        loop = getattr(place, "coordinator", None)
+        if loop is None:
+            return {"coordinator": None}
+        return {"coordinator": {"alive": loop._thread.is_alive(), "error": loop.error}}
+
     def threads(self) -> dict[str, Any]:
         return {"threads": {str(t.native_id): t.name for t in threading.enumerate()}}
 
@@ -375,7 +384,7 @@ class Process:
         return {"halted": times}
 
 
-COMMANDS = ("make", "join", "events", "traffic", "threads", "fault", "store_port")
+COMMANDS = ("make", "join", "events", "traffic", "threads", "fault", "store_port", "health")
 
 
 def raise_file_limit() -> None:
