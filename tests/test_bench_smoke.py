@@ -313,3 +313,52 @@ def test_render_rebuilds_the_same_files(smoke: tuple[dict, Path], tmp_path: Path
     assert (tmp_path / "RESULTS.md").read_text() == (out / "RESULTS.md").read_text()
     again = json.loads((tmp_path / "results.json").read_text())
     assert again["metrics"] == json.loads((out / "results.json").read_text())["metrics"]
+
+
+RDZV_SCALE = BENCH_DIR / "rdzv_scale.py"
+
+
+@pytest.mark.timeout(420)
+def test_rdzv_scale_fills_every_measure_for_c10d(tmp_path: Path) -> None:
+    """scripts/bench/rdzv_scale.py at 20 simulated nodes and a 2 s fault-free window: the
+    JSON has its machine, command and cells, every measure of c10d has a figure, and no
+    simulator process is left."""
+    out = tmp_path / "rdzv_scale.json"
+    driver = subprocess.Popen(
+        [sys.executable, str(RDZV_SCALE), "--nodes", "20", "--backends", "c10d",
+         "--fault-free-s", "2", "--bound-s", "60", "--out", str(out)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        _, err = driver.communicate(timeout=400)
+    finally:
+        left = [pid for tag in "abc" for pid in _procs_mentioning(f"scale-{tag}-{driver.pid}")]
+        for pid in [driver.pid, *left]:
+            try:
+                psutil.Process(pid).kill()
+            except psutil.Error:
+                pass
+    assert driver.returncode == 0, err[-4000:]
+    assert not left, f"simulator processes left behind: {left}"
+    doc = json.loads(out.read_text())
+    for key in ("machine", "commands", "timings", "targets", "method", "cells"):
+        assert key in doc, key
+    cell = doc["cells"]["c10d"]["20"]
+    for key in ("date", "command", "loadavg_start", "loadavg_end", "settings"):
+        assert key in cell, key
+    figures = {
+        "formation": cell["formation"]["s"],
+        "requests/s": cell["fault_free"]["requests_per_s"],
+        "bytes/s": cell["fault_free"]["bytes_per_s"],
+        "wire bytes/s": cell["fault_free"]["wire_bytes_per_s"],
+        "store host CPU": cell["fault_free"]["store_host_cpu_pct"],
+        "frozen: dropped by every survivor": cell["frozen"]["dropped_by_every_survivor"]["s"],
+        "frozen: new round": cell["frozen"]["new_round"]["s"],
+        "loss": cell["loss"]["s"],
+        "spare": cell["spare"]["spare_s"],
+    }
+    for what, value in figures.items():
+        assert isinstance(value, (int, float)) and value >= 0, (what, value, cell)
+    for what in ("requests/s", "bytes/s", "wire bytes/s"):
+        assert figures[what] > 0, (what, cell["fault_free"])
+    for key in ("rounds_opened", "nodes_dropped"):
+        assert isinstance(cell["fault_free"][key], int), cell["fault_free"]

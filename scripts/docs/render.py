@@ -681,6 +681,207 @@ FAULT_KINDS = {
 }
 
 
+# -- the rendezvous at scale (scripts/bench/rdzv_scale.py) --------------------------------
+
+RDZV_BACKENDS = ("c10d", "etcd", "torch-c10d")  # ours first; torch's is the reference
+RDZV_OURS = ("c10d", "etcd")
+
+
+def _rdzv_get(cell: dict[str, Any], path: tuple[str, ...]) -> Any:
+    """The figure at ``path`` of one cell: a number, a dict with the note of a figure not
+    reached (``s`` None), or None when that phase did not run."""
+    value: Any = cell
+    for key in path:
+        if not isinstance(value, dict) or key not in value:
+            return None
+        value = value[key]
+    return value
+
+
+def _rdzv_phase_note(cell: dict[str, Any], path: tuple[str, ...]) -> str:
+    """Why a phase has no figure: its own note, or the note of the formation it needed."""
+    phase = _rdzv_get(cell, path[:-1])
+    if isinstance(phase, dict) and phase.get("note"):
+        return phase["note"]
+    for before in ("formation", "formation_b", "formation_spare"):
+        note = _rdzv_get(cell, (before, "note"))
+        if note:
+            return f"not measured: the round did not form ({note})"
+    return "—"
+
+
+def _rdzv_wire(cell: dict[str, Any]) -> float | None:
+    """Bytes/s at the store on the wire; with etcd, its round store and its members."""
+    ff = cell.get("fault_free")
+    if not ff:
+        return None
+    return ff["wire_bytes_per_s"] + ff.get("etcd_wire_bytes_per_s", 0.0)
+
+
+def _rdzv_coordinator(cell: dict[str, Any]) -> float | None:
+    """Bytes/s the coordinator's own reads moved (counted by its client); ours only."""
+    value = (cell.get("fault_free") or {}).get("coordinator_bytes_per_s")
+    return value or None
+
+
+def _rdzv_cpu(cell: dict[str, Any]) -> float | None:
+    """The store host's CPU, % of a core; with etcd, plus its three members'."""
+    ff = cell.get("fault_free")
+    if not ff:
+        return None
+    return ff["store_host_cpu_pct"] + ff.get("etcd_cpu_pct", 0.0)
+
+
+def _rdzv_false(cell: dict[str, Any]) -> str | None:
+    ff = cell.get("fault_free")
+    if not ff:
+        return None
+    return (f"{ff['rounds_opened']} rounds opened, {ff['nodes_dropped']} nodes dropped in "
+            f"{ff['window_s']:g} s")
+
+
+RDZV_LAG_S = 1.0  # a lag of the node processes worth saying beside a figure
+
+
+def _rdzv_way(phase: dict[str, Any] | None) -> str:
+    """What a phase went through before its round: rounds formed, nodes named lost, and how
+    long the machine held the node processes' threads back (when a second or more)."""
+    if not isinstance(phase, dict) or phase.get("s") is None:
+        return ""
+    parts = []
+    if phase.get("rounds", 1) > 1:
+        parts.append(f"{phase['rounds']} rounds")
+    if phase.get("named_lost"):
+        parts.append(f"{phase['named_lost']} named lost")
+    if phase.get("max_lag_s", 0) >= RDZV_LAG_S:
+        parts.append(f"node threads held back up to {phase['max_lag_s']:.1f} s")
+    return f" ({', '.join(parts)})" if parts else ""
+
+
+RDZV_MEASURES = [  # (title, figure: path or function, unit, digits, target, detail path)
+    ("A round of N formed from cold: the first `next_round()` → the last node's RoundInfo "
+     "of a round that holds all N and stays", ("formation", "s"), "s", 2, "—", ("formation",)),
+    ("Bytes the store's sockets moved while that round formed (etcd: and its members')",
+     ("formation", "wire_mb"), "MB", 1, "—", None),
+    ("Fault-free: requests/s to the store (counted by the clients)",
+     ("fault_free", "requests_per_s"), "/s", 0, "—", None),
+    ("Fault-free: bytes/s to and from the store, counted by the clients (keys and values)",
+     ("fault_free", "bytes_per_s"), "KB/s", 1, "—", None),
+    ("Fault-free: of those, the coordinator's own reads (every node's keep-alive counter, "
+     "each look)", _rdzv_coordinator, "KB/s", 1, "—", None),
+    ("Fault-free: bytes/s on the wire at the store (the kernel's counters of its sockets, "
+     "both directions; etcd: its round store and its three members)", _rdzv_wire, "KB/s", 1,
+     "≤ 1,000 KB/s", None),
+    ("Fault-free: CPU of the store's host process, % of a core (it also runs node 0, and "
+     "ours the coordinator; etcd: plus its three members)", _rdzv_cpu, "%", 1, "≤ 10 %", None),
+    ("False drops in the fault-free window", _rdzv_false, "", 0, "0 in 10 minutes", None),
+    ("A node frozen → every survivor's `poll_round()` has dropped it",
+     ("frozen", "dropped_by_every_survivor", "s"), "s", 2, "≤ 3 s (keep-alive bound 2 s + 1 s)",
+     None),
+    ("A node frozen → the round of N-1 formed", ("frozen", "new_round", "s"), "s", 2, "—",
+     ("frozen", "new_round")),
+    ("A node killed while the others re-join at once → every survivor's RoundInfo of the "
+     "round of N-1", ("loss", "s"), "s", 2, "≤ 5 s", ("loss",)),
+    ("Bytes the store's sockets moved from that kill to the new round",
+     ("loss", "wire_mb"), "MB", 1, "—", None),
+    ("`--nnodes N:N` with a spare, a member killed while the others re-join → the spare's "
+     "RoundInfo", ("spare", "spare_s"), "s", 2, "—", ("spare",)),
+]
+
+
+def _rdzv_value(cell: dict[str, Any], figure: Any) -> Any:
+    return figure(cell) if callable(figure) else _rdzv_get(cell, figure)
+
+
+def _rdzv_text(cell: dict[str, Any] | None, figure: Any, unit: str, digits: int,
+               detail: tuple[str, ...] | None) -> str:
+    if cell is None:
+        return "—"
+    value = _rdzv_value(cell, figure)
+    if isinstance(value, str):
+        return _cell_text(value)
+    if not isinstance(value, (int, float)):
+        return _cell_text(_rdzv_phase_note(cell, figure) if isinstance(figure, tuple) else "—")
+    if unit == "KB/s":
+        value /= 1000
+    way = _rdzv_way(_rdzv_get(cell, detail)) if detail else ""
+    return f"{value:,.{digits}f}{'' if unit in ('/s', '') else ' '}{unit}{way}"
+
+
+def _rdzv_ratio(ours: dict[str, Any] | None, torch: dict[str, Any] | None, figure: Any) -> str:
+    a = _rdzv_value(ours, figure) if ours else None
+    b = _rdzv_value(torch, figure) if torch else None
+    ok = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (a, b))
+    return f"{a / b:.3g}" if ok and b else "—"
+
+
+def _rdzv_table(doc: dict[str, Any], measure: tuple[Any, ...]) -> list[str]:
+    title, figure, unit, digits, target, detail = measure
+    cells = doc["cells"]
+    backends = [b for b in RDZV_BACKENDS if b in cells]
+    compared = "torch-c10d" in cells and figure is not _rdzv_false
+    ratios = [b for b in RDZV_OURS if b in cells] if compared else []
+    sizes = sorted({int(n) for b in backends for n in cells[b]})
+    head = ["N", *backends, *(f"{b} ÷ torch-c10d" for b in ratios), "target"]
+    lines = [f"#### {title}", "", "| " + " | ".join(head) + " |",
+             "|" + "---|" * len(head)]
+    for n in sizes:
+        row = [f"{n:,}"]
+        row += [_rdzv_text(cells[b].get(str(n)), figure, unit, digits, detail) for b in backends]
+        row += [_rdzv_ratio(cells[b].get(str(n)), cells["torch-c10d"].get(str(n)), figure)
+                for b in ratios]
+        lines.append("| " + " | ".join(row + [target]) + " |")
+    return lines + [""]
+
+
+def _rdzv_sim_cpu(cell: dict[str, Any]) -> str:
+    """The simulated nodes' processes (not the store's host) in the fault-free window: % of
+    a core, all of them together and the busiest."""
+    per = (cell.get("fault_free") or {}).get("process_cpu_pct", [])[1:]
+    return f"{sum(per):.0f} % ({len(per)} processes, at most {max(per):.0f} %)" if per else "—"
+
+
+def _rdzv_busy(cell: dict[str, Any]) -> str:
+    """How busy the machine was (others included) just before each job, % of its CPUs."""
+    quiet = cell.get("quiet") or {}
+    return " / ".join(f"{tag} {q['busy_pct']:.0f} %" for tag, q in sorted(quiet.items())) \
+        or "—"
+
+
+def _rdzv_runs(doc: dict[str, Any]) -> list[str]:
+    lines = ["| backend | N | date | machine busy before jobs a / b / c | load average at "
+             "start / end | node processes' CPU in the fault-free window | wall (s) | "
+             "command |", "|---|---|---|---|---|---|---|---|"]
+    for b in RDZV_BACKENDS:
+        for n, cell in sorted(doc["cells"].get(b, {}).items(), key=lambda kv: int(kv[0])):
+            start, end = cell["loadavg_start"], cell["loadavg_end"]
+            lines.append(f"| {b} | {int(n):,} | {cell['date']} | {_rdzv_busy(cell)} | "
+                         f"{' '.join(map(str, start))} / {' '.join(map(str, end))} | "
+                         f"{_rdzv_sim_cpu(cell)} | {cell['wall_s']:,.0f} | "
+                         f"`{cell['command']}` |")
+    return lines + [""]
+
+
+def _rdzv_scale_sections() -> list[str]:
+    doc = _load("rdzv_scale.json")
+    t = doc["timings"]
+    out = ["## The rendezvous at scale, simulated nodes (`rdzv_scale.json`)", "",
+           "Written by `scripts/bench/rdzv_scale.py`: N nodes, each the launcher's "
+           "rendezvous code without workers, in a few processes of one machine against a "
+           "real store, ours (`c10d`, `etcd`) beside torch's `DynamicRendezvousHandler` "
+           "(`torch-c10d`) at the same N and timings (keep-alive every "
+           f"{t['keep_alive_interval']:g} s, a node dropped after {t['dead_after']:g} s, last "
+           f"call {t['last_call_timeout']:g} s, `poll_interval` {t['poll_interval']:g} s, "
+           f"`--monitor-interval` {t['monitor_interval']:g} s). Ratios in this section are "
+           "ours ÷ torch's: below 1, ours takes less. \"not within X s\": the phase was "
+           "waited for X s, and how far it got.", "",
+           f"- machine: {_machine_line(doc['machine'])}", ""]
+    out += [f"- {m}" for m in doc["method"]] + [""]
+    for measure in RDZV_MEASURES:
+        out += _rdzv_table(doc, measure)
+    return out + ["#### Runs", ""] + _rdzv_runs(doc)
+
+
 def benchmarks_page() -> str:
     report = _bench_report()
     lines = [GENERATED.format(source="the committed `scripts/bench/*.json`"), "",
@@ -714,6 +915,7 @@ def benchmarks_page() -> str:
     lines += _soak_sections()
     lines += _hf_trainer_sections()
     lines += _learned_preload_sections()
+    lines += _rdzv_scale_sections()
     text = "\n".join(lines)
     return text.rstrip("\n") + "\n"
 
