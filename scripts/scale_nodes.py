@@ -206,16 +206,17 @@ class Sampler:
 # -- one case --------------------------------------------------------------------------
 
 
-def form_world(cluster: Cluster, names: list[str], res: dict[str, Any]) -> float | None:
+def form_world(cluster: Cluster, names: list[str], res: dict[str, Any], timeout: float
+               ) -> float | None:
     """Start every node (the store's host first) and wait for the world of all of them;
     record how long it took and what happened on the way. Returns when it formed."""
     n = len(names)
     t0 = time.time()
     cluster.start_host_first(names, 300)
     spawned = time.time()
-    formed = cluster.wait(lambda: cluster.world_formed(n, set(names)), 900)
+    formed = cluster.wait(lambda: cluster.world_formed(n, set(names)), timeout)
     if formed is None:
-        res["error"] = f"the world of {n} did not form within 900 s"
+        res["error"] = f"the world of {n} did not form within {timeout:.0f} s"
         return None
     rounds = counts(cluster, names, "rendezvous_done", t0, formed)
     res["start"] = {
@@ -266,12 +267,36 @@ def fault_free(cluster: Cluster, names: list[str], seconds: float) -> dict[str, 
     return out
 
 
+def steady(cluster: Cluster, names: list[str], world: int) -> bool:
+    """Every node's latest round is the same one, of ``world`` ranks (a spare waits in
+    none), and each node in it runs a worker of that world started after it joined."""
+    last = {}
+    for n in names:
+        done = events(cluster, n, "rendezvous_done")
+        if done:
+            last[n] = done[-1]
+    rounds = {(e["round"], e["group_world_size"]) for e in last.values()}
+    if len(rounds) != 1 or rounds.pop()[1] != world:
+        return False
+    running = {node for (node, _), rec in cluster.first.items()
+               if node in last and rec["world"] == world
+               and rec.get("wstart", 0) > last[node]["ts"]}
+    return running == set(last) and len(last) == world
+
+
 def lose_one(cluster: Cluster, case: Case, every: list[str], bound_s: float
              ) -> dict[str, Any]:
-    """SIGKILL a node that does not host the store; time every survivor's way back."""
+    """Once the world is steady (a re-formation in the window may still be under way: a
+    node lost while the nodes exchange what they hold at a cycle's start is another
+    measure), SIGKILL a node that does not host the store; time every survivor's way
+    back."""
     target = every[case.nodes // 2]  # not the store's host (every[0])
     survivors = sorted(x for x in every if x != target)
-    out: dict[str, Any] = {"target": target, "load_before": load()}
+    t0 = time.monotonic()
+    if not cluster.wait(lambda: steady(cluster, every, case.nodes), bound_s):
+        return {"error": f"the world of {case.nodes} was not steady within {bound_s:.0f} s"}
+    out: dict[str, Any] = {"target": target, "settle_s": round(time.monotonic() - t0, 2),
+                           "load_before": load()}
     t = cluster.lose_node(target, "kill")
     first = cluster.wait(lambda: cluster.world_formed(case.world_after, set(survivors),
                                                       after=t), bound_s)
@@ -303,8 +328,8 @@ def new_worker_delays(cluster: Cluster, survivors: set[str], world: int, t: floa
     return dict(sorted(out.items()))
 
 
-def run_case(case: Case, worker: str, base: Path, fault_free_s: float, bound_s: float,
-             poll_s: float, env: dict[str, str]) -> dict[str, Any]:
+def run_case(case: Case, worker: str, base: Path, args: argparse.Namespace
+             ) -> dict[str, Any]:
     w = WORKERS[worker]
     names = node_names(case.nodes)
     res: dict[str, Any] = {"case": "spare" if case.spare else "nospare", "nodes": case.nodes,
@@ -312,17 +337,17 @@ def run_case(case: Case, worker: str, base: Path, fault_free_s: float, bound_s: 
                            "backend": case.backend, "load_start": load()}
     cluster = Cluster("ours", base, case.nnodes, f"scale-{case.label}",
                       ours_extra=(*OURS_EXTRA, *w.ours_extra),
-                      env={**env, "STEP_S": w.step_s},
-                      backend=case.backend, worker=w.script, poll_s=poll_s)
+                      env={**args.env, "STEP_S": w.step_s},
+                      backend=case.backend, worker=w.script, poll_s=args.poll_s)
     try:
-        if form_world(cluster, names, res) is None:
+        if form_world(cluster, names, res, args.form_timeout) is None:
             return res
         every = [*names, "spare"] if case.spare else list(names)
         if case.spare and not add_spare(cluster, res):
             return res
-        res["fault_free"] = fault_free(cluster, every, fault_free_s)
+        res["fault_free"] = fault_free(cluster, every, args.fault_free_s)
         log.info("%s: fault-free %s", case.label, summary(res["fault_free"]))
-        res["loss"] = lose_one(cluster, case, every, bound_s)
+        res["loss"] = lose_one(cluster, case, every, args.bound)
         log.info("%s: loss -> every survivor's new worker %s s", case.label,
                  res["loss"]["every_new_worker_s"])
         return res
@@ -385,6 +410,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--cases", default="nospare,spare")
     ap.add_argument("--fault-free-s", type=float, default=20.0,
                     help="seconds the trained world is watched before the loss")
+    ap.add_argument("--form-timeout", type=float, default=600.0,
+                    help="seconds from the first spawn within which the world must form")
     ap.add_argument("--bound", type=float, default=300.0,
                     help="seconds from the loss within which the new world must run")
     ap.add_argument("--poll-s", type=float, default=0.2,
@@ -426,11 +453,11 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {"worker": args.worker, "step_s": float(WORKERS[args.worker].step_s),
                      "ours_extra": [*OURS_EXTRA, *WORKERS[args.worker].ours_extra],
                      "fault_free_s": args.fault_free_s, "bound_s": args.bound,
+                     "form_timeout_s": args.form_timeout,
                      "env": args.env},
         "results": []}
     for case in cases_of(args.nodes, args.backends, args.cases):
-        res = run_case(case, args.worker, root / case.label, args.fault_free_s, args.bound,
-                       args.poll_s, args.env)
+        res = run_case(case, args.worker, root / case.label, args)
         doc["results"].append(res)
         log.info("%s: %s", case.label, json.dumps(brief(res)))
     doc["load_end"] = load()

@@ -369,7 +369,7 @@ def _check_scale_result(r: dict) -> None:
         assert isinstance(ff[key], (int, float)), key
     loss = r["loss"]
     survivors = {"n00", "n01", "n02"} - {loss["target"]}
-    assert loss["target"] != "n00"  # never the store's host
+    assert loss["target"] != "n00" and loss["settle_s"] >= 0  # never the store's host
     for key in ("knew_s", "rendezvous_s", "workers_started_s", "new_worker_s"):
         assert set(loss[key]) == survivors, (key, loss)
     for n in survivors:  # the order of cause and effect, not a speed

@@ -423,12 +423,13 @@ def _scale_run(name: str, what: str, doc: dict[str, Any]) -> list[str]:
     for r in rows:
         if "fault_free" in r:
             out.append(_scale_fault_free_row(r))
-    out += ["", "Node loss (seconds from the SIGKILL; every survivor: the slowest of them; "
-            "median: the survivors' median):", "",
-            "| nodes | backend | world | every survivor knew of it | had its new round | "
-            "started its new worker | **ran a worker of the new round** (median) | "
-            "survivors whose worker failed | load before → after |",
-            "|---|---|---|---|---|---|---|---|---|"]
+    out += ["", "Node loss (seconds from the SIGKILL, which waits for a steady world after "
+            "the window; every survivor: the slowest of them; median: the survivors' "
+            "median):", "",
+            "| nodes | backend | world | waited for a steady world | every survivor knew of "
+            "it | had its new round | started its new worker | **ran a worker of the new "
+            "round** (median) | survivors whose worker failed | load before → after |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "loss" in r:
             out.append(_scale_loss_row(r))
@@ -441,13 +442,15 @@ def _slowest(values: dict[str, float]) -> str:
 
 def _scale_loss_row(r: dict[str, Any]) -> str:
     lo = r["loss"]
+    if "new_worker_s" not in lo:
+        return f"| {r['nodes']} | `{r['backend']}` | — | {_cell_text(lo.get('error'))} |"
     after = r["nodes"] if r["spare"] else r["nodes"] - 1
     ran = lo["new_worker_s"]
     every = lo.get("every_new_worker_s")
     cell = (f"**{every:.2f}** ({statistics.median(ran.values()):.2f})" if every is not None
             else _cell_text(lo.get("error", "—")))
     return (f"| {r['nodes']} | `{r['backend']}` | {r['nodes']} → {after} | "
-            f"{_slowest(lo['knew_s'])} | {_slowest(lo['rendezvous_s'])} | "
+            f"{lo['settle_s']} | {_slowest(lo['knew_s'])} | {_slowest(lo['rendezvous_s'])} | "
             f"{_slowest(lo['workers_started_s'])} | {cell} | "
             f"{len(lo['survivors_whose_worker_failed'])} | "
             f"{lo['load_before']} → {lo['load_after']} |")
