@@ -206,20 +206,48 @@ class Sampler:
 # -- one case --------------------------------------------------------------------------
 
 
-def form_world(cluster: Cluster, names: list[str], res: dict[str, Any], timeout: float
-               ) -> float | None:
+def start_nodes(cluster: Cluster, names: list[str], batch: int) -> None:
+    """The store's host first, then every other node at once (``batch`` 0), or ``batch``
+    at a time, each batch once the previous one's launchers hold a connection to the
+    store (they imported torch and joined)."""
+    if not batch:
+        cluster.start_host_first(names, 300)
+        return
+    cluster.start_host_first(names[:1], 300)
+    for i in range(1, len(names), batch):
+        group = names[i:i + batch]
+        for name in group:
+            cluster.start(name)
+        if cluster.wait(lambda g=group: all(cluster.connected_to_store(x) for x in g),
+                        300) is None:
+            raise TimeoutError(f"nodes {group[0]}..{group[-1]} did not reach the store "
+                               f"within 300 s")
+
+
+def form_world(cluster: Cluster, names: list[str], res: dict[str, Any],
+               args: argparse.Namespace) -> float | None:
     """Start every node (the store's host first) and wait for the world of all of them;
-    record how long it took and what happened on the way. Returns when it formed."""
-    n = len(names)
+    record how long it took and what happened on the way. Returns when it formed; None,
+    with the attempt recorded in ``failed_starts``, when a launcher exited first (the world
+    of N can no longer form) or ``--form-timeout`` passed."""
+    n, timeout = len(names), args.form_timeout
     t0 = time.time()
-    cluster.start_host_first(names, 300)
+    start_nodes(cluster, names, args.start_batch)
     spawned = time.time()
-    formed = cluster.wait(lambda: cluster.world_formed(n, set(names)), timeout)
-    if formed is None:
-        res["error"] = f"the world of {n} did not form within {timeout:.0f} s"
+    formed = cluster.wait(lambda: cluster.world_formed(n, set(names)) or any(
+        r.exit_code is not None for r in cluster.runs.values()), timeout)
+    res["footprint"] = footprint(cluster, names)
+    if formed is None or formed is True:
+        res["failed_starts"].append({
+            "after_s": round(time.time() - t0, 1),
+            "why": "a launcher exited" if formed else f"no world of {n} in {timeout:.0f} s",
+            "exits": exits(cluster, names), "footprint": res["footprint"],
+            "store_host_log": rendezvous_lines(cluster, names[0])})
+        log.info("%s: no world of %d: %s", cluster.run_id, n, res["failed_starts"][-1]["why"])
         return None
     rounds = counts(cluster, names, "rendezvous_done", t0, formed)
     res["start"] = {
+        "batch": args.start_batch or n - 1,
         "spawn_s": round(spawned - t0, 2),
         "to_world_s": round(formed - t0, 1),
         "rounds": max(rounds.values(), default=0),
@@ -232,6 +260,34 @@ def form_world(cluster: Cluster, names: list[str], res: dict[str, Any], timeout:
     log.info("%s: world of %d trains %.1f s after the first start (%d round(s))",
              cluster.run_id, n, formed - t0, res["start"]["rounds"])
     return formed
+
+
+def footprint(cluster: Cluster, names: list[str]) -> dict[str, Any]:
+    """Every process of the nodes now: how many, their RSS and PSS summed, and the memory
+    the machine still has."""
+    procs = [p for n in names for p in cluster.node_processes(n)]
+    mem = [_mem(p) for p in procs]
+    return {"processes": len(procs),
+            "rss_mb": round(sum(m.get("rss_mb", 0) for m in mem)),
+            "pss_mb": round(sum(m.get("pss_mb", 0) for m in mem)),
+            "mem_available_gib": round(psutil.virtual_memory().available / 2**30, 1)}
+
+
+def exits(cluster: Cluster, names: list[str]) -> dict[str, str]:
+    """The launchers that exited by themselves, with their reasons."""
+    out = {}
+    for n in names:
+        for e in events(cluster, n, "launcher_exited"):
+            out[n] = f"{e.get('exit_code')}: {e.get('reason')}"
+    return out
+
+
+def rendezvous_lines(cluster: Cluster, name: str, last: int = 12) -> list[str]:
+    """The node's last log lines about the rendezvous (its coordinator's, when it hosts
+    the store): what a world that never formed leaves to read."""
+    path = cluster.base / name / "launcher.log"
+    lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+    return [x[:400] for x in lines if "rendezvous" in x][-last:]
 
 
 def add_spare(cluster: Cluster, res: dict[str, Any]) -> bool:
@@ -330,38 +386,55 @@ def new_worker_delays(cluster: Cluster, survivors: set[str], world: int, t: floa
 
 def run_case(case: Case, worker: str, base: Path, args: argparse.Namespace
              ) -> dict[str, Any]:
-    w = WORKERS[worker]
-    names = node_names(case.nodes)
+    """One case: up to ``--form-attempts`` starts, each on a fresh store and fresh
+    launchers, until the world of N forms; then its measures."""
     res: dict[str, Any] = {"case": "spare" if case.spare else "nospare", "nodes": case.nodes,
                            "spare": case.spare, "nnodes": case.nnodes,
-                           "backend": case.backend, "load_start": load()}
+                           "backend": case.backend, "load_start": load(),
+                           "failed_starts": [], "leftovers": []}
+    for i in range(args.form_attempts):
+        if run_attempt(case, worker, base / f"start{i}", args, res):
+            break
+    else:
+        res["error"] = f"no world of {case.nodes} in {args.form_attempts} start(s)"
+    res["load_end"] = load()
+    if not res["leftovers"]:
+        del res["leftovers"]
+    return res
+
+
+def run_attempt(case: Case, worker: str, base: Path, args: argparse.Namespace,
+                res: dict[str, Any]) -> bool:
+    """Start the nodes; when the world forms, measure it (True); False when it did not
+    form. Every process is stopped by pid whatever happens."""
+    w = WORKERS[worker]
+    names = node_names(case.nodes)
     cluster = Cluster("ours", base, case.nnodes, f"scale-{case.label}",
                       ours_extra=(*OURS_EXTRA, *w.ours_extra),
                       env={**args.env, "STEP_S": w.step_s},
                       backend=case.backend, worker=w.script, poll_s=args.poll_s)
     try:
-        if form_world(cluster, names, res, args.form_timeout) is None:
-            return res
+        if form_world(cluster, names, res, args) is None:
+            return False
         every = [*names, "spare"] if case.spare else list(names)
         if case.spare and not add_spare(cluster, res):
-            return res
+            return True
         res["fault_free"] = fault_free(cluster, every, args.fault_free_s)
         log.info("%s: fault-free %s", case.label, summary(res["fault_free"]))
         res["loss"] = lose_one(cluster, case, every, args.bound)
         log.info("%s: loss -> every survivor's new worker %s s", case.label,
-                 res["loss"]["every_new_worker_s"])
-        return res
+                 res["loss"].get("every_new_worker_s"))
+        return True
     except TimeoutError as exc:
         res["error"] = str(exc)
-        return res
+        return True
     finally:
         res["worker_torch"] = torch_check(cluster)
         cluster.stop()
-        res["load_end"] = load()
         left = cluster.leftovers()
         if left:
             log.error("%s: processes left: %s", case.label, left)
-            res["leftovers"] = left
+            res["leftovers"] += left
 
 
 def torch_check(cluster: Cluster) -> dict[str, int]:
@@ -410,6 +483,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--cases", default="nospare,spare")
     ap.add_argument("--fault-free-s", type=float, default=20.0,
                     help="seconds the trained world is watched before the loss")
+    ap.add_argument("--start-batch", type=int, default=0,
+                    help="start the nodes after the store's host this many at a time, "
+                         "each batch once the previous one joined (0: all at once)")
+    ap.add_argument("--form-attempts", type=int, default=1,
+                    help="starts to try, each on a fresh store, until the world of N forms "
+                         "(a launcher that exits on the way ends a start)")
     ap.add_argument("--form-timeout", type=float, default=600.0,
                     help="seconds from the first spawn within which the world must form")
     ap.add_argument("--bound", type=float, default=300.0,
@@ -453,7 +532,8 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {"worker": args.worker, "step_s": float(WORKERS[args.worker].step_s),
                      "ours_extra": [*OURS_EXTRA, *WORKERS[args.worker].ours_extra],
                      "fault_free_s": args.fault_free_s, "bound_s": args.bound,
-                     "form_timeout_s": args.form_timeout,
+                     "form_timeout_s": args.form_timeout, "start_batch": args.start_batch,
+                     "form_attempts": args.form_attempts,
                      "env": args.env},
         "results": []}
     for case in cases_of(args.nodes, args.backends, args.cases):

@@ -330,6 +330,7 @@ def test_scale_nodes_wiring_and_json_shape(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, str(SCALE), "--nodes", "3", "--backends", "c10d,torch-c10d",
          "--worker", "light", "--cases", "nospare", "--fault-free-s", "2",
+         "--form-attempts", "3",
          "--env", "TORCH_CPP_LOG_LEVEL=ERROR", "--out", str(tmp_path / "out"),
          "--name", "smoke"],
         capture_output=True, text=True, timeout=SCALE_TIMEOUT_S, env=env, cwd=REPO)
@@ -358,7 +359,7 @@ def test_scale_nodes_wiring_and_json_shape(tmp_path: Path) -> None:
 def _check_scale_result(r: dict) -> None:
     assert r["nnodes"] == "2:3" and "error" not in r and "leftovers" not in r, r
     assert r["worker_torch"]["checked"] >= 3 and r["worker_torch"]["imported"] == 0, r
-    assert r["start"]["rounds"] >= 1
+    assert r["start"]["rounds"] >= 1 and isinstance(r["failed_starts"], list)
     ff = r["fault_free"]
     assert set(ff["per_node"]) == {"n00", "n01", "n02"}
     for node in ff["per_node"].values():

@@ -401,17 +401,22 @@ def _scale_run(name: str, what: str, doc: dict[str, Any]) -> list[str]:
            f"`{' '.join(st['ours_extra'])}`; launchers' environment: {env}",
            f"- load average (1, 5, 15 min) at the run's start: {doc['load_start']}; at its "
            f"end: {doc['load_end']}", "",
-           "Start (every launcher spawned at once, the store's host first):", "",
-           "| nodes | backend | `--nnodes` | spawning N launchers (s) | first spawn → every "
-           "worker runs in the world of N (s) | rounds it took | restarts on the way | "
-           "nodes lost on the way | load at the start |", "|---|---|---|---|---|---|---|---|---|"]
+           "Start (the store's host first, then the others "
+           + (f"{st['start_batch']} at a time, each batch once the previous one joined)"
+              if st.get("start_batch") else "all at once)") + ":", "",
+           "| nodes | backend | `--nnodes` | starts that failed first | spawning them (s) | "
+           "first spawn → every worker runs in the world of N (s) | rounds it took | "
+           "restarts on the way | nodes lost on the way | processes, PSS MB summed | "
+           "load at the case's start |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     rows = doc["results"]
     for r in rows:
-        sw = r.get("start", {})
+        sw, fp = r.get("start", {}), r.get("footprint", {})
         out.append(f"| {r['nodes']} | `{r['backend']}` | `{r['nnodes']}` | "
+                   f"{_cell_text(_failed_starts(r.get('failed_starts', [])))} | "
                    f"{sw.get('spawn_s', '—')} | {sw.get('to_world_s', r.get('error', '—'))} | "
                    f"{sw.get('rounds', '—')} | {sw.get('restarts', '—')} | "
                    f"{', '.join(sw.get('lost_on_the_way', [])) or 'none'} | "
+                   f"{fp.get('processes', '—')}, {fp.get('pss_mb', '—')} | "
                    f"{r['load_start']} |")
     out += ["", "Fault-free (CPU in % of one core over the window; memory at its end; "
             "`others`: every launcher but the store's host, median (min–max)):", "",
@@ -434,6 +439,22 @@ def _scale_run(name: str, what: str, doc: dict[str, Any]) -> list[str]:
         if "loss" in r:
             out.append(_scale_loss_row(r))
     return out + [""]
+
+
+def _failed_starts(failed: list[dict[str, Any]]) -> str:
+    """Each start that ended before the world formed: after how long, and which launchers
+    exited with what (one line per distinct reason)."""
+    if not failed:
+        return "none"
+    parts = []
+    for i, f in enumerate(failed, 1):
+        by_reason: dict[str, list[str]] = {}
+        for node, reason in f["exits"].items():
+            by_reason.setdefault(reason, []).append(node)
+        what = "; ".join(f"{', '.join(nodes)} exited {reason[:170]}"
+                         for reason, nodes in by_reason.items()) or f["why"]
+        parts.append(f"{i}. after {f['after_s']:.0f} s: {what}")
+    return " ".join(parts)
 
 
 def _slowest(values: dict[str, float]) -> str:
