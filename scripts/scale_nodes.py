@@ -1,7 +1,8 @@
 """Scale on one machine: N real ft_launchers of one rank each on loopback, one node lost.
 
     python scripts/scale_nodes.py [--nodes 16[,64]] [--backends c10d[,torch-c10d]]
-        [--worker gloo|light] [--cases nospare[,spare]] [--fault-free-s 20] [--name NAME]
+        [--worker gloo|light] [--cases nospare[,spare]] [--fault-free-s 20]
+        [--form-attempts 1] [--start-batch 0] [--env KEY=VALUE ...] [--name NAME]
 
 Each case starts N launchers (``--rdzv-backend`` one of ``--backends``: ``c10d`` is the
 launcher's own rendezvous, ``torch-c10d`` torch's handler; the first node hosts the store),
@@ -12,14 +13,19 @@ every one running one worker:
 - ``light``: ``bench/node_light_worker.py``, a heartbeat and a step line every 1 s, no torch
   and no collective: the survivors learn of a loss from the rendezvous alone. The launchers
   run with ``--no-ft-warm-restart``: warm restart would add a zygote and a standby per node
-  (192 interpreters at 64 nodes) that import torch, the preload, to save a worker start
-  that costs about 50 ms without torch.
+  (192 interpreters at 64 nodes) that import torch, the preload, to save the import of
+  ft_agent, about 50 ms.
 
+The store's host starts first, then the others all at once (or ``--start-batch`` at a
+time). A start ends as soon as a launcher exits (the world of N can no longer form); up to
+``--form-attempts`` starts are tried, each on a fresh store, and the failed ones are kept
+(``failed_starts``: which launchers exited and why, the store host's rendezvous log).
 Once every node's worker runs in the world of N (``start``: from the first launcher's spawn,
 with the rounds it took and the nodes dropped on the way), the case watches the fault-free
 world for ``--fault-free-s`` seconds (``fault_free``: the restarts, re-formed rounds and
 losses the launchers logged in it; each launcher's and worker's CPU in % of one core, RSS,
-PSS and open files; the whole machine's CPU, the driver's own), then SIGKILLs one node that
+PSS and open files; the whole machine's CPU, the driver's own), waits for a steady world
+(one round of N on every node, each running a worker of it), then SIGKILLs one node that
 does not host the store (its launcher and worker) and times, from the kill, when every
 survivor (``loss``):
 
@@ -30,9 +36,10 @@ survivor (``loss``):
 
 ``nospare``: ``--nnodes N-1:N``, the new world has N-1 ranks. ``spare``: ``--nnodes N:N``
 and an (N+1)th launcher started once the world trains; it takes the lost node's place.
-Results: ``NAME.json`` under ``--out`` (rendered by ``python -m scripts.docs.render``) and a
-summary on stdout. Every process is stopped by pid (SIGCONT, SIGTERM, SIGKILL) when a case
-ends, whatever happened.
+``--env`` sets a variable for every launcher and worker (recorded). Results: ``NAME.json``
+under ``--out`` (rendered by ``python -m scripts.docs.render``) and a summary per case in the
+log. Every process is stopped by pid (SIGCONT, SIGTERM, SIGKILL) when a start ends,
+whatever happened.
 """
 
 from __future__ import annotations
