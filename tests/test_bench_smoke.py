@@ -362,3 +362,75 @@ def test_rdzv_scale_fills_every_measure_for_c10d(tmp_path: Path) -> None:
         assert figures[what] > 0, (what, cell["fault_free"])
     for key in ("rounds_opened", "nodes_dropped"):
         assert isinstance(cell["fault_free"][key], int), cell["fault_free"]
+
+
+# -- scripts/scale_nodes.py: N launchers on loopback, one node lost ----------------------
+
+SCALE = REPO / "scripts" / "scale_nodes.py"
+SCALE_TIMEOUT_S = 400
+
+
+@pytest.mark.timeout(SCALE_TIMEOUT_S + 30)
+def test_scale_nodes_wiring_and_json_shape(tmp_path: Path) -> None:
+    """Three real launchers per backend with the torch-free worker: the driver forms the
+    world, watches it, kills a node, writes its JSON and leaves no process behind; the
+    docs renderer reads that JSON. Shapes and causal order only: nothing is timed here."""
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    proc = subprocess.run(
+        [sys.executable, str(SCALE), "--nodes", "3", "--backends", "c10d,torch-c10d",
+         "--worker", "light", "--cases", "nospare", "--fault-free-s", "2",
+         "--form-attempts", "3",
+         "--env", "TORCH_CPP_LOG_LEVEL=ERROR", "--out", str(tmp_path / "out"),
+         "--name", "smoke"],
+        capture_output=True, text=True, timeout=SCALE_TIMEOUT_S, env=env, cwd=REPO)
+    leftovers = _procs_mentioning(str(tmp_path))
+    for pid in leftovers:
+        try:
+            psutil.Process(pid).kill()
+        except psutil.Error:
+            pass
+    assert not leftovers, f"processes left behind: {leftovers}"
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    doc = json.loads((tmp_path / "out" / "smoke.json").read_text())
+    for key in ("version", "date", "command", "machine", "settings", "load_start",
+                "load_end", "results"):
+        assert key in doc, key
+    assert doc["settings"]["env"] == {"TORCH_CPP_LOG_LEVEL": "ERROR"}
+    assert "--no-ft-warm-restart" in doc["settings"]["ours_extra"]
+    assert [r["backend"] for r in doc["results"]] == ["c10d", "torch-c10d"]
+    for r in doc["results"]:
+        _check_scale_result(r)
+    render = _render_module()
+    lines = render._scale_run("smoke.json", "smoke", doc)
+    assert sum(1 for line in lines if line.startswith("| 3 | `")) == 3 * 2  # 3 tables
+
+
+def _check_scale_result(r: dict) -> None:
+    assert r["nnodes"] == "2:3" and "error" not in r and "leftovers" not in r, r
+    assert r["worker_torch"]["checked"] >= 3 and r["worker_torch"]["imported"] == 0, r
+    assert r["start"]["rounds"] >= 1 and isinstance(r["failed_starts"], list)
+    ff = r["fault_free"]
+    assert set(ff["per_node"]) == {"n00", "n01", "n02"}
+    for node in ff["per_node"].values():
+        roles = sorted(c["role"] for c in node["children"])
+        assert roles == ["guardian", "worker"], node
+        assert node["cpu_pct"] >= 0 and 0 < node["pss_mb"] <= node["rss_mb"], node
+    for key in ("restarts", "rounds", "nodes_dropped", "machine_cpu_pct", "driver_cpu_pct"):
+        assert isinstance(ff[key], (int, float)), key
+    loss = r["loss"]
+    survivors = {"n00", "n01", "n02"} - {loss["target"]}
+    assert loss["target"] != "n00" and loss["settle_s"] >= 0  # never the store's host
+    for key in ("knew_s", "rendezvous_s", "workers_started_s", "new_worker_s"):
+        assert set(loss[key]) == survivors, (key, loss)
+    for n in survivors:  # the order of cause and effect, not a speed
+        assert 0 < loss["knew_s"][n] <= loss["rendezvous_s"][n] \
+            <= loss["workers_started_s"][n] <= loss["new_worker_s"][n], loss
+    assert abs(loss["every_new_worker_s"] - max(loss["new_worker_s"].values())) <= 0.01
+    assert loss["survivors_whose_worker_failed"] == []
+
+
+def _render_module():
+    sys.path.insert(0, str(REPO))
+    from scripts.docs import render
+
+    return render

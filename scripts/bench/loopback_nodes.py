@@ -1,7 +1,8 @@
 """Several launchers as nodes on loopback (c10d, one rank each), for the node-loss benches.
 
 A ``Cluster`` starts one launcher per node (ours or torchrun, the same options), each in
-its own session, all running ``node_step_worker.py``; it reads the workers' step lines,
+its own session, all running one worker (``node_step_worker.py`` unless told: a gloo
+barrier per step; ``node_light_worker.py`` imports no torch); it reads the workers' step lines,
 says when a given world has formed, kills or freezes a whole node (the launcher and every
 process under it), and stops every process it started by pid (``runner.Run``: SIGCONT,
 SIGTERM, then SIGKILL of the launcher and every descendant it saw), also after failures.
@@ -10,6 +11,7 @@ SIGTERM, then SIGKILL of the launcher and every descendant it saw), also after f
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import socket
@@ -29,8 +31,10 @@ log = logging.getLogger("bench.nodes")
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parent / "node_step_worker.py"
+LIGHT_WORKER = Path(__file__).resolve().parent / "node_light_worker.py"
 LAUNCHERS = ("ours", "torchrun")
 POLL_S = 0.05
+TRACK_EVERY_S = 0.25  # how often the machine's process table is walked for new descendants
 
 
 def free_port() -> int:
@@ -45,11 +49,14 @@ def listening(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def rdzv_options(nnodes: str, port: int, run_id: str, is_host: bool) -> list[str]:
+def rdzv_options(nnodes: str, port: int, run_id: str, is_host: bool,
+                 backend: str = "c10d") -> list[str]:
     """One node's torchrun-style rendezvous options on loopback. Each node says whether it
-    hosts the store (``is_host``), as torch's c10d backend reads it from ``--rdzv-conf``: on
-    one machine every node matches the endpoint's host name, so it must be told."""
-    return ["--nnodes", nnodes, "--rdzv-backend", "c10d",
+    hosts the store (``is_host``), as both c10d backends read it from ``--rdzv-conf``: on
+    one machine every node matches the endpoint's host name, so it must be told. ``backend``:
+    ``c10d`` is ours under ft_launcher and torch's under torchrun; ``torch-c10d`` is torch's
+    under ft_launcher."""
+    return ["--nnodes", nnodes, "--rdzv-backend", backend,
             "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id,
             "--rdzv-conf", f"is_host={'true' if is_host else 'false'}"]
 
@@ -80,11 +87,29 @@ def signal_node(run: Run, sig: int) -> float:
     return t
 
 
+def descendants(roots: list[int]) -> dict[int, list[psutil.Process]]:
+    """Every process under each root pid now, from one walk of the process table (a walk
+    per root costs as much as this one: 64 roots walked four times a second took a core)."""
+    children: dict[int, list[psutil.Process]] = {}
+    for p in psutil.process_iter(["ppid"]):
+        children.setdefault(p.info["ppid"], []).append(p)
+    out = {}
+    for root in roots:
+        found, todo = [], list(children.get(root, []))
+        while todo:
+            p = todo.pop()
+            found.append(p)
+            todo.extend(children.get(p.pid, []))
+        out[root] = found
+    return out
+
+
 def launcher_argv(kind: str, *, run_dir: Path, out: Path, port: int, nnodes: str,
-                  run_id: str, is_host: bool, ours_extra: tuple[str, ...] = ()) -> list[str]:
+                  run_id: str, is_host: bool, ours_extra: tuple[str, ...] = (),
+                  backend: str = "c10d", worker: Path = WORKER) -> list[str]:
     """The same torchrun-style options for both launchers; ours adds its run directory and
     ``ours_extra``."""
-    common = [*rdzv_options(nnodes, port, run_id, is_host), "--nproc-per-node", "1",
+    common = [*rdzv_options(nnodes, port, run_id, is_host, backend), "--nproc-per-node", "1",
               "--max-restarts", "5"]
     if kind == "ours":
         head = [sys.executable, "-m", "ft_launcher.cli", "--ft-run-dir", str(run_dir),
@@ -93,7 +118,7 @@ def launcher_argv(kind: str, *, run_dir: Path, out: Path, port: int, nnodes: str
         head = [sys.executable, "-m", "torch.distributed.run"]
     else:
         raise ValueError(f"unknown launcher {kind!r}: one of {', '.join(LAUNCHERS)}")
-    return [*head, *common, str(WORKER), str(out)]
+    return [*head, *common, str(worker), str(out)]
 
 
 @dataclass
@@ -106,12 +131,16 @@ class Cluster:
     run_id: str
     ours_extra: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
+    backend: str = "c10d"
+    worker: Path = WORKER
+    poll_s: float = POLL_S  # how often ``wait`` reads the files (records carry the times)
     port: int = field(default_factory=free_port)
     runs: dict[str, Run] = field(default_factory=dict)
     steps: list[dict[str, Any]] = field(default_factory=list)
     # (node, pid) -> the first step line of that worker: a worker's world never changes
     first: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)
     _tail: JsonlTail | None = None
+    _last_track: float = 0.0
 
     @property
     def out(self) -> Path:
@@ -124,11 +153,12 @@ class Cluster:
         workdir = self.base / name
         argv = launcher_argv(self.kind, run_dir=workdir / "ft", out=self.out, port=self.port,
                              nnodes=self.nnodes, run_id=self.run_id, is_host=is_host,
-                             ours_extra=self.ours_extra)
+                             ours_extra=self.ours_extra, backend=self.backend,
+                             worker=self.worker)
         env = {**base_env(workdir), **self.env, "NODE_NAME": name,
                "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
                                                            os.environ.get("PYTHONPATH")]))}
-        run = Run(name, argv, workdir, env)
+        run = Run(name, argv, workdir, env, track_every_s=math.inf)  # see track()
         self.runs[name] = run
         run.start()
         return run
@@ -151,6 +181,8 @@ class Cluster:
     def refresh(self) -> None:
         for run in self.runs.values():
             run.refresh()
+        if time.monotonic() - self._last_track >= TRACK_EVERY_S:
+            self.track()
         if self._tail is None:
             return
         for rec in self._tail.read():
@@ -158,6 +190,15 @@ class Cluster:
                 continue
             self.steps.append(rec)
             self.first.setdefault((rec["node"], rec["pid"]), rec)
+
+    def track(self) -> None:
+        """Every process under each live launcher, remembered by its run (to be ended by
+        pid at ``stop``), from one walk of the process table for all nodes."""
+        self._last_track = time.monotonic()
+        live = {r.proc.pid: r for r in self.runs.values()
+                if r.proc is not None and r.exit_code is None}
+        for pid, procs in descendants(list(live)).items():
+            live[pid].track(procs)
 
     def wait(self, cond: Callable[[], Any], timeout: float) -> Any:
         """Refresh until ``cond()`` is truthy (its value) or ``timeout`` passes (None)."""
@@ -167,7 +208,7 @@ class Cluster:
             value = cond()
             if value or time.monotonic() >= deadline:
                 return value or None
-            time.sleep(POLL_S)
+            time.sleep(self.poll_s)
 
     def world_formed(self, world: int, nodes: set[str], after: float = 0.0) -> float | None:
         """When every node of ``nodes`` has logged a step in a world of ``world`` ranks
@@ -213,6 +254,10 @@ class Cluster:
     def stop(self) -> None:
         """Every process of every node, by pid: SIGCONT and SIGTERM to all at once (so
         17 launchers do not each wait out their grace in turn), then ``Run.stop``."""
+        try:
+            self.track()  # the workers started since the last walk
+        except psutil.Error:
+            pass
         for run in self.runs.values():
             try:
                 run.refresh()

@@ -77,6 +77,9 @@ class Run:
     t_exit: float | None = None
     exit_code: int | None = None
     proc: subprocess.Popen | None = None
+    # How often refresh() walks the launcher's process tree; a driver of many runs walks the
+    # machine's process table once for all of them instead (``track``) and sets this to inf.
+    track_every_s: float = TRACK_EVERY_S
     _tracked: dict[int, psutil.Process] = field(default_factory=dict)
     _tail: JsonlTail | None = None
     _log: IO[bytes] | None = None
@@ -115,13 +118,17 @@ class Run:
             code = self.proc.poll()
             if code is not None:
                 self.exit_code, self.t_exit = code, time.time()
-        if time.monotonic() - self._last_track >= TRACK_EVERY_S and self.exit_code is None:
+        if time.monotonic() - self._last_track >= self.track_every_s and self.exit_code is None:
             self._last_track = time.monotonic()
             try:
-                for child in psutil.Process(self.proc.pid).children(recursive=True):
-                    self._tracked.setdefault(child.pid, child)
+                self.track(psutil.Process(self.proc.pid).children(recursive=True))
             except psutil.Error:
                 pass
+
+    def track(self, procs: list[psutil.Process]) -> None:
+        """Remember processes to end in ``stop()`` (the launcher's descendants)."""
+        for proc in procs:
+            self._tracked.setdefault(proc.pid, proc)
 
     def wait(self, cond: Callable[[], bool], timeout: float) -> bool:
         """Refresh until ``cond()`` holds (True) or ``timeout`` passes or the launcher exits

@@ -358,11 +358,150 @@ def _nodeloss_sections() -> list[str]:
     return out
 
 
+SCALE_RUNS = [  # (file written by scripts/scale_nodes.py, what sets it apart)
+    ("scale_nodes_light.json", "the control plane alone: a worker without torch, torch's "
+                               "C++ warnings off"),
+    ("scale_nodes_light_default.json", "the same with torch's C++ warnings at their "
+                                       "default"),
+]
+
+
 def _scale_sections() -> list[str]:
+    """N launchers on loopback (``scripts/scale_nodes.py``): the committed runs of the
+    current format first, then the first 16-node run (``scale_nodes.json``)."""
+    out = ['<a id="sixteen-nodes-on-one-machine"></a>', "",
+           "## Many nodes on one machine: 16 and 64 launchers", "",
+           "Written by `scripts/scale_nodes.py`: N real launchers of one rank each on "
+           "loopback, the first hosting the store; once every node's worker runs in the "
+           "world of N, the fault-free world is watched (restarts, CPU, memory), then one "
+           "node that does not host the store is SIGKILLed (its launcher and worker) and the "
+           "survivors are timed from the kill: each one's `peers_waiting` (it knew of the "
+           "loss), `rendezvous_done` (its place in the new round), `workers_started`, and "
+           "the first step line of its new worker in the new world (a worker of the new "
+           "round runs: the measure that counts). With the light worker "
+           "(`scripts/bench/node_light_worker.py`: ft_agent heartbeats, no torch, no "
+           "collective) a survivor learns of the loss from the rendezvous alone. `c10d` is "
+           "the launcher's own rendezvous, `torch-c10d` torch's handler, with the same "
+           "timings (a node is dropped after 2 s without a keep-alive).", ""]
+    for name, what in SCALE_RUNS:
+        if (BENCH / name).exists():
+            out += _scale_run(name, what, _load(name))
+    return out + _scale_first_run()
+
+
+def _scale_run(name: str, what: str, doc: dict[str, Any]) -> list[str]:
+    m, st = doc["machine"], doc["settings"]
+    env = " ".join(f"`{k}={v}`" for k, v in st["env"].items()) or "none"
+    out = [f"### `{name}`: {what}", "",
+           f"- date: {doc['date']}",
+           f"- machine: {m['cpus']} CPUs, {m['memory_gib']} GiB; Python {m['python']}, "
+           f"torch {m['torch']}; open files limit {m['open_files_limit'][0]}",
+           f"- command: `{doc['command']}`",
+           f"- worker: `{st['worker']}`, a step every {st['step_s']:g} s; ours given "
+           f"`{' '.join(st['ours_extra'])}`; launchers' environment: {env}",
+           f"- load average (1, 5, 15 min) at the run's start: {doc['load_start']}; at its "
+           f"end: {doc['load_end']}", "",
+           "Start (the store's host first, then the others "
+           + (f"{st['start_batch']} at a time, each batch once the previous one joined)"
+              if st.get("start_batch") else "all at once)") + ":", "",
+           "| nodes | backend | `--nnodes` | starts that failed first | spawning them (s) | "
+           "first spawn → every worker runs in the world of N (s) | rounds it took | "
+           "restarts on the way | nodes lost on the way | processes, PSS MB summed | "
+           "load at the case's start |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = doc["results"]
+    for r in rows:
+        sw, fp = r.get("start", {}), r.get("footprint", {})
+        out.append(f"| {r['nodes']} | `{r['backend']}` | `{r['nnodes']}` | "
+                   f"{_cell_text(_failed_starts(r.get('failed_starts', [])))} | "
+                   f"{sw.get('spawn_s', '—')} | {sw.get('to_world_s', r.get('error', '—'))} | "
+                   f"{sw.get('rounds', '—')} | {sw.get('restarts', '—')} | "
+                   f"{', '.join(sw.get('lost_on_the_way', [])) or 'none'} | "
+                   f"{fp.get('processes', '—')}, {fp.get('pss_mb', '—')} | "
+                   f"{r['load_start']} |")
+    out += ["", "Fault-free (CPU in % of one core over the window; memory at its end; "
+            "`others`: every launcher but the store's host, median (min–max)):", "",
+            "| nodes | backend | window (s) | restarts / re-formed rounds / nodes dropped | "
+            "store host's launcher CPU | others' launcher CPU | workers' CPU | launcher PSS "
+            "MB: store host / others | launcher RSS MB, others | worker PSS MB | store "
+            "host's open files | whole machine's CPU | driver's CPU | load before → after |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "fault_free" in r:
+            out.append(_scale_fault_free_row(r))
+    out += ["", "Node loss (seconds from the SIGKILL, which waits for a steady world after "
+            "the window; every survivor: the slowest of them; median: the survivors' "
+            "median):", "",
+            "| nodes | backend | world | waited for a steady world | every survivor knew of "
+            "it | had its new round | started its new worker | **ran a worker of the new "
+            "round** (median) | survivors whose worker failed | load before → after |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "loss" in r:
+            out.append(_scale_loss_row(r))
+    return out + [""]
+
+
+def _failed_starts(failed: list[dict[str, Any]]) -> str:
+    """Each start that ended before the world formed: after how long, and which launchers
+    exited with what (one line per distinct reason)."""
+    if not failed:
+        return "none"
+    parts = []
+    for i, f in enumerate(failed, 1):
+        by_reason: dict[str, list[str]] = {}
+        for node, reason in f["exits"].items():
+            by_reason.setdefault(reason, []).append(node)
+        what = "; ".join(f"{', '.join(nodes)} exited {reason[:170]}"
+                         for reason, nodes in by_reason.items()) or f["why"]
+        parts.append(f"{i}. after {f['after_s']:.0f} s: {what}")
+    return " ".join(parts)
+
+
+def _slowest(values: dict[str, float]) -> str:
+    return f"{max(values.values()):.2f}" if values else "—"
+
+
+def _scale_loss_row(r: dict[str, Any]) -> str:
+    lo = r["loss"]
+    if "new_worker_s" not in lo:
+        return f"| {r['nodes']} | `{r['backend']}` | — | {_cell_text(lo.get('error'))} |"
+    after = r["nodes"] if r["spare"] else r["nodes"] - 1
+    ran = lo["new_worker_s"]
+    every = lo.get("every_new_worker_s")
+    cell = (f"**{every:.2f}** ({statistics.median(ran.values()):.2f})" if every is not None
+            else _cell_text(lo.get("error", "—")))
+    return (f"| {r['nodes']} | `{r['backend']}` | {r['nodes']} → {after} | "
+            f"{lo['settle_s']} | {_slowest(lo['knew_s'])} | {_slowest(lo['rendezvous_s'])} | "
+            f"{_slowest(lo['workers_started_s'])} | {cell} | "
+            f"{len(lo['survivors_whose_worker_failed'])} | "
+            f"{lo['load_before']} → {lo['load_after']} |")
+
+
+def _scale_fault_free_row(r: dict[str, Any]) -> str:
+    ff = r["fault_free"]
+    per = ff["per_node"]
+    host = per.get("n00", {})
+    others = [v for k, v in per.items() if k != "n00"]
+    workers = [c for v in per.values() for c in v["children"] if c["role"] == "worker"]
+    return (f"| {r['nodes']} | `{r['backend']}` | {ff['seconds']:.0f} | "
+            f"{ff['restarts']} / {ff['rounds']} / {ff['nodes_dropped']} | "
+            f"{host.get('cpu_pct', '—')} | {_spread([o['cpu_pct'] for o in others])} | "
+            f"{_spread([w['cpu_pct'] for w in workers])} | "
+            f"{host.get('pss_mb', '—')} / {_spread([o.get('pss_mb') for o in others], 0)} | "
+            f"{_spread([o.get('rss_mb') for o in others], 0)} | "
+            f"{_spread([w.get('pss_mb') for w in workers], 0)} | {host.get('fds', '—')} | "
+            f"{ff['machine_cpu_pct']} | {ff['driver_cpu_pct']} | "
+            f"{ff['load_before']} → {ff['load_after']} |")
+
+
+def _scale_first_run() -> list[str]:
     doc = _load("scale_nodes.json")
-    out = ["## Sixteen nodes on one machine", "",
-           "Written by `scripts/scale_nodes.py`: launchers of one rank each on loopback (c10d), "
-           "one node that does not host the store SIGKILLed; CPU and memory sampled over "
+    out = ["### `scale_nodes.json`: 16 launchers, torch's handler, a gloo worker", "",
+           "The first run, before the launcher had its own rendezvous: `--rdzv-backend c10d` "
+           "was then torch's handler (`torch-c10d` now); every worker imported torch and "
+           "joined a gloo barrier of the whole world each step "
+           "(`scripts/bench/node_step_worker.py`), so survivors also learnt of the loss "
+           "from a failed collective; warm restart on. CPU and memory sampled over 20 s of "
            "steady training before the loss.", "",
            f"- date: {doc['date']}",
            f"- machine: {doc['cpus']} CPUs, {doc['memory_gib']} GiB",
