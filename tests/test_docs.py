@@ -184,7 +184,12 @@ def test_every_ft_variable_in_the_code_is_documented():
              for path in (ROOT / package).rglob("*.py")
              for m in pattern.finditer(path.read_text())}
     assert len(found) > 10, "the scan found too few variables: are they named elsewhere?"
-    assert not found - _documented_env(), sorted(found - _documented_env())
+    # The cold workers' exit hook takes its variable back out before the script runs (its
+    # own test asserts the script sees none of it): not part of a worker's environment.
+    from ft_launcher.process.cold_exit import ORIGINAL
+
+    undocumented = found - _documented_env() - {ORIGINAL}
+    assert not undocumented, sorted(undocumented)
 
 
 def _path_pattern(documented: str, contents: bool = True) -> re.Pattern:

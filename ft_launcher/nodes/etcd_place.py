@@ -22,6 +22,7 @@ import json
 import logging
 import threading
 import time
+from datetime import timedelta
 from typing import Any
 
 from ft_launcher.nodes.coordinator import CoordinatorLoop
@@ -32,6 +33,7 @@ from ft_launcher.nodes.place import (
     coordinator_for,
     job_end,
     raise_file_limit,
+    request_timeout,
     start_pulse,
 )
 from ft_launcher.nodes.pulse import Pulse
@@ -161,11 +163,15 @@ class EtcdPlace:
         if self._node is not None:
             self._restart_pulse()
 
-    def _client(self) -> Any:
+    def _client(self, connect_s: float | None = None) -> Any:
+        """A client of the coordinator's round store: within ``connect_s`` to connect
+        (default: the keep-alive expiry, past which a dead coordinator's lease lapses), each
+        request within ``request_timeout``."""
         import torch.distributed as dist
 
         addr, port = self._store_addr  # type: ignore[misc]
-        raw = connect(addr, port, self.timings.dead_after)
+        raw = connect(addr, port, connect_s or self.timings.dead_after)
+        raw.set_timeout(timedelta(seconds=request_timeout(self.timings)))
         return dist.PrefixStore("ft_launcher", raw)
 
     def _coordinate(self) -> bool:
@@ -182,7 +188,7 @@ class EtcdPlace:
         self._store_addr = (self.local_addr, port)
         last = self.etcd.get(ROUND_KEY)
         first = 0 if last is None else _int(last) + 1
-        kv = C10dKV(self._client())
+        kv = C10dKV(self._client(connect_s=request_timeout(self.timings)))  # our own store
         if self.etcd.get(END_KEY) is not None:
             kv.set(END_KEY, CLOSED.encode())
         coordinator = coordinator_for(
@@ -196,12 +202,14 @@ class EtcdPlace:
             self.server = None
             return False
         self.coordinator = coordinator
-        self._open_clients(self.local_addr, port)
-        log.info("rendezvous: this launcher coordinates the job (round store %s:%d, from "
-                 "round %d)", self.local_addr, port, first)
+        # The lease is kept from here: reconnecting this node's own clients may wait on its
+        # old pulse for longer than the lease lives.
         self._lease_thread = threading.Thread(target=self._keep_lease, args=(kv,),
                                               name="ft-rdzv-lease", daemon=True)
         self._lease_thread.start()
+        self._open_clients(self.local_addr, port)
+        log.info("rendezvous: this launcher coordinates the job (round store %s:%d, from "
+                 "round %d)", self.local_addr, port, first)
         return True
 
     def _on_round(self, kv: C10dKV, g: int) -> None:
@@ -214,13 +222,15 @@ class EtcdPlace:
     def _keep_lease(self, kv: C10dKV) -> None:
         """Refresh the coordinator's lease every interval. Lost (this launcher was stopped
         past it): step down, and the round's nodes re-join under the next coordinator.
-        etcd silent for the keep-alive expiry: the job's store is lost for every node."""
+        Every etcd member refusing connections for the keep-alive expiry, or none answering
+        for the request timeout (room for an election: a new leader renews every lease):
+        the job's store is lost for every node."""
         ok_at = time.monotonic()
+        gone_s, silent_s = self.timings.dead_after, self.etcd.request_timeout_s
         while not self._stop.wait(self.timings.keep_alive_interval):
-            # Within the expiry: past it etcd has let the lease go, and the nodes must hear
-            # that the job's store is lost within the keep-alive bound, not a request
-            # timeout later.
-            left_s = max(self.timings.keep_alive_interval, ok_at + self.timings.dead_after - time.monotonic())
+            # Given what is left of the expiry: the nodes must hear within the keep-alive
+            # bound that the cluster is gone, not a whole request timeout later.
+            left_s = max(self.timings.keep_alive_interval, ok_at + gone_s - time.monotonic())
             try:
                 if self.etcd.refresh(left_s):
                     ok_at = time.monotonic()
@@ -228,7 +238,8 @@ class EtcdPlace:
                 self._step_down(kv, TAKEOVER, "its lease lapsed")
                 return
             except StoreUnreachable as exc:
-                if time.monotonic() - ok_at >= self.timings.dead_after:
+                quiet_s = time.monotonic() - ok_at
+                if quiet_s >= (gone_s if exc.refused else silent_s):
                     self._step_down(kv, STORE_LOST, f"etcd does not answer ({exc})")
                     return
 

@@ -24,7 +24,12 @@ log = logging.getLogger("ft_launcher")
 
 
 class StoreUnreachable(ConnectionError):
-    """The store did not answer: its host is gone, frozen or unreachable."""
+    """The store did not answer: its host is gone, frozen or unreachable. ``refused``: every
+    server refused the connection (nothing listens there: gone, not busy)."""
+
+    def __init__(self, message: str = "", refused: bool = False) -> None:
+        super().__init__(message)
+        self.refused = refused
 
 
 class KeyValue(Protocol):

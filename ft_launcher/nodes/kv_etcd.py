@@ -81,7 +81,12 @@ class NotACounter(ValueError):
 
 
 class _MemberFailed(Exception):
-    """This member did not answer usably; the request goes to the next one."""
+    """This member did not answer usably; the request goes to the next one. ``refused``: it
+    refused the connection (no etcd listens there)."""
+
+    def __init__(self, message: str, refused: bool = False) -> None:
+        super().__init__(message)
+        self.refused = refused
 
 
 class _Malformed(_MemberFailed):
@@ -405,6 +410,7 @@ class EtcdKV:
         started = time.monotonic()
         deadline = started + (self.request_timeout_s if timeout_s is None else timeout_s)
         failures: dict[int, str] = {}
+        refused: set[int] = set()
         while True:
             for i in conn.order():
                 left = deadline - time.monotonic()
@@ -415,13 +421,15 @@ class EtcdKV:
                                               min(left, self.attempt_s)))
                 except _MemberFailed as exc:
                     failures[i] = str(exc)
+                    (refused.add if exc.refused else refused.discard)(i)
                     log.debug("etcd: %s:%d failed %s: %s", *self.members[i], path, exc)
                     continue
                 conn.first = i
                 return answer
             left = deadline - time.monotonic()
             if left <= 0:
-                raise self._unreachable(path, failures, deadline - started)
+                raise self._unreachable(path, failures, deadline - started,
+                                        refused=len(refused) == len(self.members))
             time.sleep(min(PAUSE_S, left))
 
     def _post(self, client: Any, path: str, payload: dict[str, Any],
@@ -439,7 +447,7 @@ class EtcdKV:
             finally:
                 resp.close()
         except requests.RequestException as exc:
-            raise _MemberFailed(_describe(exc)) from None
+            raise _MemberFailed(_describe(exc), _refused(exc)) from None
         with self._lock:
             self.requests += 1
             self.bytes += len(body) + len(data)
@@ -448,11 +456,11 @@ class EtcdKV:
         raise _error_answer(path, resp.status_code, data)
 
     def _unreachable(self, path: str, failures: dict[int, str],
-                     within_s: float | None = None) -> StoreUnreachable:
+                     within_s: float | None = None, refused: bool = False) -> StoreUnreachable:
         said = "; ".join(f"{h}:{p}: {failures.get(i, 'not tried')}"
                          for i, (h, p) in enumerate(self.members))
         return StoreUnreachable(f"no etcd member answered {path} within "
-                                f"{within_s or self.request_timeout_s:.3g} s ({said})")
+                                f"{within_s or self.request_timeout_s:.3g} s ({said})", refused)
 
     # -- watch -------------------------------------------------------------------------
 
@@ -541,6 +549,22 @@ def tls_from_conf(extra: dict[str, str]) -> EtcdTls:
 
 def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
+
+
+def _refused(exc: BaseException) -> bool:
+    """Whether a request failed because the member refused the connection: requests wraps
+    the socket's ConnectionRefusedError a few causes deep."""
+    seen: list[BaseException] = []
+    todo: list[Any] = [exc]
+    while todo and len(seen) < 20:
+        e = todo.pop()
+        if not isinstance(e, BaseException) or e in seen:
+            continue
+        if isinstance(e, ConnectionRefusedError):
+            return True
+        seen.append(e)
+        todo += [e.__cause__, e.__context__, getattr(e, "reason", None), *e.args]
+    return False
 
 
 def _describe(exc: BaseException) -> str:

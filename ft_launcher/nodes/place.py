@@ -29,6 +29,7 @@ from ft_launcher.nodes.rendezvous import (
 from ft_launcher.nodes.rounds import CloseRule, CoordinatorCore, KeepAliveBook
 
 log = logging.getLogger("ft_launcher")
+REQUEST_TIMEOUT_S = 10.0  # see request_timeout
 
 C10D_DEFAULT_PORT = 29400  # torchrun's
 ROUND_KEY = "round"  # the latest round opened, for launchers that arrive later
@@ -109,11 +110,12 @@ class C10dPlace:
         self.main = self.round_kv()  # the main thread's client
 
     def client(self) -> Any:
-        """A new client of the job's keys (one per thread that uses it)."""
+        """A new client of the job's keys (one per thread that uses it): up to
+        ``read_timeout`` (60 s) to connect, then ``request_timeout`` per request."""
         import torch.distributed as dist
 
         raw = connect(self.host, self.port, self.timings.read_timeout or 60.0)
-        raw.set_timeout(_seconds(self.timings.dead_after))
+        raw.set_timeout(_seconds(request_timeout(self.timings)))
         self._clients.append(raw)
         return dist.PrefixStore(self.prefix, raw)
 
@@ -173,6 +175,13 @@ def job_end(kv: C10dKV) -> str | None:
     if data is None:
         return None
     return STORE_LOST if data == STORE_LOST.encode() else CLOSED
+
+
+def request_timeout(timings: RendezvousTimings) -> float:
+    """How long a node waits for one answer of the store. A slow answer is a busy store (64
+    launchers starting on 2 cores answer in seconds), not a lost one; a store whose host is
+    gone fails at once, as its connections break; a frozen one is given up after this."""
+    return max(timings.dead_after, REQUEST_TIMEOUT_S)
 
 
 def start_pulse(kv: C10dKV, node: str, timings: RendezvousTimings, endpoint: str) -> Pulse:

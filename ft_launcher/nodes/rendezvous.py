@@ -101,16 +101,17 @@ class Standing:
 
 @dataclass(frozen=True)
 class RendezvousTimings:
-    """Timings of torch's dynamic rendezvous, chosen for fast failure detection.
+    """Timings of the rendezvous (ours and torch's handler), chosen for fast failure
+    detection.
 
     torch's defaults (keep-alive 5 s x 3, last call 30 s, a 1 s state poll) take 15 s to
     notice a dead node and 30 s more to close a round below the maximum size. Here a node
     is dead after ``keep_alive_interval x keep_alive_max_attempt`` = 2 s without a
-    keep-alive, a round that reached its minimum closes after 1 s, and the shared state is
-    polled every ``poll_interval``. The price: more traffic to the rendezvous service
-    (one small read per node per poll), node clocks that must agree to well under a second
-    (keep-alives are wall-clock timestamps compared across nodes), and a node that stalls
-    longer than 2 s (swapping, a stopped process) is dropped and rejoins.
+    keep-alive, a round that reached its minimum closes after 1 s, and the coordinator looks
+    at the keep-alives every ``poll_interval``. The price: a node that stalls longer than
+    2 s (swapping, a stopped process) is dropped and rejoins. Ours judges a keep-alive on
+    the coordinator's own monotonic clock; torch's handler compares wall-clock timestamps
+    across nodes, so with it node clocks must agree to well under a second.
     """
 
     join_timeout: float = 600.0

@@ -210,6 +210,7 @@ BENCH_RUNS = [  # (file, section title); files written by scripts/bench/bench.py
      "and a spare"),
     ("goodput_long_nodes_auto.json", "Goodput with a lost node, the default snapshot "
      "frequency and a 2 s heartbeat timeout"),
+    ("compiled.json", "torch.compile'd training restarted, beside the same script eager"),
 ]
 
 WARM_KEYS = {
@@ -1117,6 +1118,37 @@ def extras_fragment() -> str:
     return "\n".join(lines)
 
 
+# -- torch.compile'd training restarted (scripts/bench/bench.py --only compiled) ----------
+
+COMPILED_RUN = "compiled.json"
+COMPILED_ROWS = (("early_s", "SIGKILL in the job's first seconds → first step of every rank"),
+                 ("late_s", "SIGKILL after a minute of training → first step of every rank"),
+                 ("first_step_s", "launcher start → first step of every rank"))
+
+
+def compiled_fragment() -> str:
+    """docs/stacks.md's figures: the compiled script restarted beside the same script eager,
+    from the committed run of ``bench.py --only compiled``."""
+    doc = _load(COMPILED_RUN)
+    rows = {r["metric"]: r for r in doc["metrics"] if r["measure"] == "compiled"}
+    report = _bench_report()
+    lines = [f"Measured by `python scripts/bench/bench.py --only compiled` "
+             f"(`scripts/bench/{COMPILED_RUN}`; {_machine_line(doc['machine'])}): the same "
+             "DDP MLP, 2 ranks on gloo, defaults, eager and under `torch.compile`, in "
+             "alternate runs; median (min–max) of the runs, in seconds.", "",
+             "| | eager | compiled | target (compiled) |", "| --- | --- | --- | --- |"]
+    for key, label in COMPILED_ROWS:
+        row = rows.get(key)
+        if row is None:
+            continue
+        cells = [_spread(row["summary"].get(x, {}).get("samples", []))
+                 for x in (report.EAGER, report.COMPILED)]
+        bound = report.COMPILED_TARGETS.get(key)
+        lines.append(f"| {label} | {cells[0]} | {cells[1]} | "
+                     f"{'—' if bound is None else f'≤ {bound[1]:g} s'} |")
+    return "\n".join(lines)
+
+
 # -- the workers' environment and the run directory -------------------------------------
 
 
@@ -1168,6 +1200,7 @@ PAGES: dict[str, Callable[[], str]] = {
 FRAGMENTS: dict[str, dict[str, tuple[str, Callable[[], str]]]] = {
     "README.md": {"dependencies": ("pyproject.toml", dependencies_fragment)},
     "docs/getting-started.md": {"extras": ("pyproject.toml", extras_fragment)},
+    "docs/stacks.md": {"compiled": (f"scripts/bench/{COMPILED_RUN}", compiled_fragment)},
     "docs/reference/environment.md": {
         "worker-env": ("the EnvDoc rows next to the code that sets each variable",
                        worker_env_fragment)},
