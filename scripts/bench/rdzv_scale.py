@@ -603,8 +603,8 @@ def wait_for_quiet(busy_pct: float | None, most_s: float) -> dict[str, Any]:
     """Before a job: wait (at most ``most_s``) until the machine was less than ``busy_pct``
     busy over 10 s; how busy it was when the job started, and how long that took."""
     t0 = time.monotonic()
-    while True:
-        busy = machine_busy_pct(QUIET_SAMPLE_S)
+    while True:  # without a bound to wait for, a short sample only records how busy it was
+        busy = machine_busy_pct(QUIET_SAMPLE_S if busy_pct is not None else 1.0)
         waited = time.monotonic() - t0
         if busy_pct is None or busy < busy_pct or waited >= most_s:
             if busy_pct is not None:

@@ -1022,6 +1022,33 @@ def _rdzv_scale_sections() -> list[str]:
     return out + ["#### Runs", ""] + _rdzv_runs(doc)
 
 
+RDZV_SUMMARY = (  # design-notes' table: (column, figure, unit, digits)
+    ("formed from cold", ("formation", "s"), "s", 1),
+    ("node lost → every survivor in the new round", ("loss", "s"), "s", 2),
+    ("frozen node → dropped by every survivor", ("frozen", "dropped_by_every_survivor", "s"),
+     "s", 2),
+    ("spare admitted", ("spare", "spare_s"), "s", 2),
+    ("fault-free, on the wire at the store", _rdzv_wire, "KB/s", 0),
+    ("fault-free, store's host CPU", _rdzv_cpu, "%", 1),
+    ("false drops, fault-free", _rdzv_false, "", 0),
+)
+
+
+def rdzv_summary_fragment() -> str:
+    """docs/design-notes.md's figures: the committed rdzv_scale.json, one row per backend
+    and N (the full tables are in docs/benchmarks.md)."""
+    doc = _load("rdzv_scale.json")
+    head = ["backend", "N", *(c for c, *_ in RDZV_SUMMARY)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for b in RDZV_BACKENDS:
+        for n, cell in sorted(doc["cells"].get(b, {}).items(), key=lambda kv: int(kv[0])):
+            row = [f"`{b}`", f"{int(n):,}"]
+            row += [_rdzv_text(cell, fig, unit, digits, None)
+                    for _, fig, unit, digits in RDZV_SUMMARY]
+            lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
 def benchmarks_page() -> str:
     report = _bench_report()
     lines = [GENERATED.format(source="the committed `scripts/bench/*.json`"), "",
@@ -1201,6 +1228,8 @@ FRAGMENTS: dict[str, dict[str, tuple[str, Callable[[], str]]]] = {
     "README.md": {"dependencies": ("pyproject.toml", dependencies_fragment)},
     "docs/getting-started.md": {"extras": ("pyproject.toml", extras_fragment)},
     "docs/stacks.md": {"compiled": (f"scripts/bench/{COMPILED_RUN}", compiled_fragment)},
+    "docs/design-notes.md": {"rdzv-scale": ("scripts/bench/rdzv_scale.json",
+                                            rdzv_summary_fragment)},
     "docs/reference/environment.md": {
         "worker-env": ("the EnvDoc rows next to the code that sets each variable",
                        worker_env_fragment)},

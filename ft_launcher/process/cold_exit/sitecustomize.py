@@ -3,7 +3,7 @@ destroys the default process group of a script that ended without an uncaught ex
 and left it up, after the script's own exit handlers.
 
 Why: a process that reaches the interpreter's finalization with a live gloo group can die
-of SIGABRT ("terminate called without an active exception", pytorch/pytorch#190489): a gloo
+of SIGABRT ("terminate called without an active exception"): a gloo
 thread that drops the last reference to a tensor after finalization began must take the
 GIL, and the interpreter then ends that thread from inside C++ code, which aborts. The
 launcher would count the rank as failed. A warm worker gets the same end from
