@@ -42,6 +42,15 @@ def _procs_mentioning(text: str) -> list[int]:
     return found
 
 
+def _kill(pids: list[int]) -> None:
+    """SIGKILL each of ``pids`` that still runs (never leave a process behind)."""
+    for pid in pids:
+        try:
+            psutil.Process(pid).kill()
+        except psutil.Error:
+            pass
+
+
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
     """One smoke run of the driver, shared by the checks below."""
@@ -55,11 +64,7 @@ def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
          "--out", str(out)],
         capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S, env=env, cwd=REPO)
     leftovers = _procs_mentioning(str(work))
-    for pid in leftovers:  # never leave them behind, even when the check below fails
-        try:
-            psutil.Process(pid).kill()
-        except psutil.Error:
-            pass
+    _kill(leftovers)  # even when the check below fails
     assert not leftovers, f"processes left behind: {leftovers}"
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads((out / "results.json").read_text()), out
@@ -288,11 +293,7 @@ def test_sigterm_to_the_driver_ends_every_process(tmp_path: Path) -> None:
         assert not (tmp_path / "out" / "results.json").exists()
         assert _procs_mentioning(str(tmp_path)) == []
     finally:
-        for pid in [driver.pid, *_procs_mentioning(str(tmp_path))]:
-            try:
-                psutil.Process(pid).kill()
-            except psutil.Error:
-                pass
+        _kill([driver.pid, *_procs_mentioning(str(tmp_path))])
         driver.wait(10)
 
 
@@ -332,11 +333,7 @@ def test_rdzv_scale_fills_every_measure_for_c10d(tmp_path: Path) -> None:
         _, err = driver.communicate(timeout=400)
     finally:
         left = [pid for tag in "abc" for pid in _procs_mentioning(f"scale-{tag}-{driver.pid}")]
-        for pid in [driver.pid, *left]:
-            try:
-                psutil.Process(pid).kill()
-            except psutil.Error:
-                pass
+        _kill([driver.pid, *left])
     assert driver.returncode == 0, err[-4000:]
     assert not left, f"simulator processes left behind: {left}"
     doc = json.loads(out.read_text())
@@ -384,11 +381,7 @@ def test_scale_nodes_wiring_and_json_shape(tmp_path: Path) -> None:
          "--name", "smoke"],
         capture_output=True, text=True, timeout=SCALE_TIMEOUT_S, env=env, cwd=REPO)
     leftovers = _procs_mentioning(str(tmp_path))
-    for pid in leftovers:
-        try:
-            psutil.Process(pid).kill()
-        except psutil.Error:
-            pass
+    _kill(leftovers)
     assert not leftovers, f"processes left behind: {leftovers}"
     assert proc.returncode == 0, proc.stderr[-4000:]
     doc = json.loads((tmp_path / "out" / "smoke.json").read_text())

@@ -22,6 +22,7 @@ import pytest
 from launch_helpers import NO_PRELOADS, finish, launcher_cmd
 
 from ft_launcher.events import EVENTS
+from ft_launcher.nodes.rendezvous import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -159,21 +160,13 @@ def test_with_a_dynamic_rendezvous_every_documented_variable_is_set(tmp_path, ba
     if backend == "c10d":
         documented -= {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
     env = _launcher_env(documented, TORCH_NCCL_TRACE_BUFFER_SIZE="1")
-    port = _free_port()
+    port = free_port()
     _, envs = _probe(tmp_path, (*STATIC_LAUNCHES[0][0], "--rdzv-backend", backend,
                                 "--rdzv-endpoint", f"127.0.0.1:{port}", "--nnodes", "1"),
                      (), env)
     got = {k for e in envs for k in e} - set(env)
     assert got == documented, (f"not documented: {sorted(got - documented)}; documented, not "
                                f"set: {sorted(documented - got)}")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_every_ft_variable_in_the_code_is_documented():
